@@ -1,0 +1,145 @@
+"""Exactness of every method on a tiny random float64 model, where no rounding can hide a bug."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import VOCAB, tiny_dflash, tiny_eagle, tiny_target
+from whiflash_core.drafters.base import Context, Draft, Drafter, DrafterState, DraftSampling
+from whiflash_core.engine import METHODS, Engine, GenerationRequest, SpeculationConfig
+
+PROMPTS = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(s)).tolist()
+           for s, n in [(1, 5), (2, 23), (3, 60)]]
+
+
+class OracleDrafter(Drafter):
+    """Test double that knows plain decode's continuation and corrupts some draft tokens, so that
+    the engine's accept/reject bookkeeping is exercised at every acceptance length."""
+
+    name = "oracle"
+
+    def __init__(self, truth: list[int], prompt_len: int, error_rate: float, seed: int = 0, max_tokens: int = 6):
+        self.truth, self.prompt_len, self.error_rate = truth, prompt_len, error_rate
+        self.rng = torch.Generator().manual_seed(seed)
+        self.tap_layers = (1,)
+        self.max_draft_tokens = max_tokens
+        self.expected_accepts: list[int] = []
+
+    def new_state(self, capacity):
+        return DrafterState()
+
+    def propose(self, state, ctx: Context, num_tokens, sampling: DraftSampling) -> Draft:
+        pos = ctx.n + 1 - self.prompt_len  # index in the output of the first draft token
+        out, good = [], None
+        for i in range(num_tokens):
+            tok = self.truth[pos + i] if pos + i < len(self.truth) else 0
+            if torch.rand(1, generator=self.rng).item() < self.error_rate:
+                tok = (tok + 1) % VOCAB
+                good = i if good is None else good
+            out.append(tok)
+        self.expected_accepts.append(num_tokens if good is None else good)
+        return Draft(torch.tensor(out))
+
+
+def median_entropy(eng: Engine, prompt: list[int], n: int) -> float:
+    """A router threshold at the median entropy of this prompt, so the router switches often."""
+    gen = eng.generate(GenerationRequest(prompt, n, speculation=SpeculationConfig(method="whiflash")))
+    return float(torch.tensor(gen.entropies).median())
+
+
+def engine(**kw) -> Engine:
+    target = tiny_target()
+    return Engine(target, None, {"eagle3": tiny_eagle(target, **kw), "dflash": tiny_dflash(target)})
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "medium", "long"])
+@pytest.mark.parametrize("eager", [False, True], ids=["lazy", "eager"])
+def test_every_method_equals_plain_decode_float64(prompt, eager):
+    eng = engine()
+    plain = eng.generate(GenerationRequest(prompt, 80, speculation=SpeculationConfig(method="none"))).output
+    assert len(plain) == 80
+    threshold = median_entropy(eng, prompt, 80)
+    for method in METHODS[1:]:
+        spec = SpeculationConfig(method=method, entropy_threshold=threshold, eager_catch_up=eager)
+        gen = eng.generate(GenerationRequest(prompt, 80, speculation=spec))
+        assert gen.output == plain, method
+        stats = gen.stats()
+        assert stats["rounds"] == gen.rounds and stats["rounds"] >= 1
+        if method == "whiflash":
+            used = [n for n, d in stats["drafters"].items() if d["rounds"]]
+            assert used == ["eagle3", "dflash"], stats
+            assert stats["switches"] >= 3, stats
+
+
+def test_lazy_catch_up_matches_eager_catch_up_round_by_round():
+    """The backlog caught up in one pass gives the same drafts as catching up every round."""
+    eng = engine()
+    runs = {}
+    threshold = median_entropy(eng, PROMPTS[2], 80)
+    for eager in (False, True):
+        spec = SpeculationConfig(method="whiflash", entropy_threshold=threshold, eager_catch_up=eager)
+        gen = eng.generate(GenerationRequest(PROMPTS[2], 80, speculation=spec))
+        runs[eager] = (gen.output, gen.decisions, gen.stats())
+    assert runs[False][0] == runs[True][0]
+    assert runs[False][1] == runs[True][1]  # same drafter and same accepted count every round
+    assert runs[False][2]["switches"] >= 3
+
+
+@pytest.mark.parametrize("error_rate", [0.0, 0.1, 0.4])
+def test_accept_reject_bookkeeping_with_an_oracle_drafter(error_rate):
+    eng = engine()
+    prompt = PROMPTS[1]
+    plain = eng.generate(GenerationRequest(prompt, 70, speculation=SpeculationConfig(method="none"))).output
+    oracle = OracleDrafter(plain, len(prompt), error_rate, seed=7)
+    eng.drafters["eagle3"] = oracle
+    gen = eng.generate(GenerationRequest(prompt, 70, speculation=SpeculationConfig(method="eagle3",
+                                                                                   num_draft_tokens=5)))
+    assert gen.output == plain
+    accepted = [a for _, a in gen.decisions]
+    assert accepted == oracle.expected_accepts
+    stats = gen.stats()
+    assert stats["accepted_tokens"] == sum(accepted)
+    # every emitted token after the first comes from a round: a accepted drafts + 1 target token
+    assert sum(a + 1 for a in accepted) >= len(plain) - 1
+    assert stats["acceptance_length"] == pytest.approx((len(plain) - 1) / stats["rounds"], abs=1e-3)
+    sources = gen.sources
+    assert sources[0] == "target"
+    assert sources.count("eagle3") == min(sum(accepted), len(plain) - 1)
+    if error_rate == 0.0:
+        assert stats["acceptance_length"] > 5.0
+
+
+def test_trace_records_source_and_round_of_every_token():
+    eng = engine()
+    spec = SpeculationConfig(method="whiflash", entropy_threshold=3.2, trace=True)
+    gen = eng.generate(GenerationRequest(PROMPTS[1], 40, speculation=spec))
+    stats = gen.stats()
+    assert len(stats["tokens"]) == len(gen.output) == 40
+    assert [t["id"] for t in stats["tokens"]] == gen.output
+    assert stats["tokens"][0]["round"] == 0 and stats["tokens"][0]["source"] == "target"
+    rounds = [t["round"] for t in stats["tokens"]]
+    assert rounds == sorted(rounds) and rounds[-1] == stats["rounds"]
+    # each round ends with exactly one target token (unless the output was cut at max tokens)
+    for r in range(1, stats["rounds"]):
+        srcs = [t["source"] for t in stats["tokens"] if t["round"] == r]
+        assert srcs[-1] == "target" and srcs.count("target") == 1
+    assert set(t["source"] for t in stats["tokens"]) <= {"target", "eagle3", "dflash"}
+
+
+def test_stop_token_and_max_tokens():
+    eng = engine()
+    plain = eng.generate(GenerationRequest(PROMPTS[1], 30, speculation=SpeculationConfig(method="none"))).output
+    stop = plain[10]
+    first = plain.index(stop)
+    for method in METHODS:
+        gen = eng.generate(GenerationRequest(PROMPTS[1], 30, stop_token_ids=[stop],
+                                             speculation=SpeculationConfig(method=method, entropy_threshold=3.2)))
+        assert gen.output == plain[:first] and gen.finish_reason == "stop", method
+        gen = eng.generate(GenerationRequest(PROMPTS[1], 7, speculation=SpeculationConfig(method=method)))
+        assert gen.output == plain[:7] and gen.finish_reason == "length", method
+
+
+def test_unknown_method_is_rejected():
+    eng = Engine(tiny_target(), None, {})
+    with pytest.raises(ValueError, match="not available"):
+        eng.start(GenerationRequest([1, 2, 3], 5, speculation=SpeculationConfig(method="eagle3")))

@@ -1,0 +1,105 @@
+"""One small interface for every drafter, in the spirit of vLLM v1's proposers.
+
+A drafter holds weights shared by all requests; everything per request lives in a
+`DrafterState` it creates. Per round the engine calls `propose`, which first catches the
+drafter up on verified context it has not seen (lazily: a drafter that sat idle for several
+rounds catches up in one batched pass), then drafts. Drafts never enter the drafter's
+persistent cache, so nothing needs undoing after verification; `rollback` exists for callers
+that rewind the verified context itself.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor               # [k] target token ids
+    probs: torch.Tensor | None = None  # [k, vocab] proposal distributions; None = greedy point masses
+
+
+@dataclass
+class Context:
+    """What the engine shows a drafter: verified tokens and the target's tapped hidden states.
+
+    `ids[:n]` are verified tokens whose target K/V and taps exist; `ids[n]` is the pending token
+    (chosen by the target, not yet run through it). `taps[p, j]` is tap layer `tap_layers[j]` at
+    position p, valid for p < n.
+    """
+    ids: torch.Tensor          # [>= n+1] long
+    n: int
+    taps: torch.Tensor         # [capacity, n_taps, hidden]
+    tap_layers: tuple[int, ...]
+
+    def features(self, layers: tuple[int, ...], start: int, end: int) -> torch.Tensor:
+        """[end-start, len(layers), hidden] taps for positions start..end-1."""
+        cols = [self.tap_layers.index(layer) for layer in layers]
+        block = self.taps[start:end]
+        if cols == list(range(len(self.tap_layers))):
+            return block
+        return block[:, cols]
+
+
+@dataclass
+class DraftSampling:
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class DrafterState:
+    """Per-request drafter cache. `n_seen` = verified positions already in the cache."""
+
+    n_seen: int = 0
+
+
+class Drafter(ABC):
+    name: str = "drafter"
+    # tap indices (Hugging Face hidden_states convention) this drafter reads from the target
+    tap_layers: tuple[int, ...] = ()
+    # most tokens one proposal can contain
+    max_draft_tokens: int = 1
+
+    @abstractmethod
+    def new_state(self, capacity: int) -> DrafterState: ...
+
+    def catch_up(self, state: DrafterState, ctx: Context) -> None:
+        """Bring the drafter's cache up to the verified context (Lazy Catch-up: called only for
+        the drafter picked this round, so an idle drafter's backlog is processed in one pass)."""
+
+    @abstractmethod
+    def propose(self, state: DrafterState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft: ...
+
+    def rollback(self, state: DrafterState, n: int) -> None:
+        state.n_seen = min(state.n_seen, n)
+
+
+def pick_tokens(logits: torch.Tensor, sampling: DraftSampling, d2t: torch.Tensor | None,
+                vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Choose draft tokens from drafter logits [k, draft_vocab].
+
+    Greedy: argmax, no distribution (the verifier treats drafts as point masses).
+    Sampling: draw from softmax(logits / T) and return that distribution over the full target
+    vocabulary, which the rejection sampler needs.
+    """
+    logits = logits.float()
+    if sampling.greedy:
+        idx = logits.argmax(-1)
+        return _to_target(idx, d2t), None
+    probs = torch.softmax(logits / sampling.temperature, dim=-1)
+    idx = torch.multinomial(probs, 1, generator=sampling.generator).squeeze(-1)
+    full = probs.new_zeros(probs.shape[0], vocab_size)
+    cols = _to_target(torch.arange(probs.shape[1]), d2t)
+    full[:, cols] = probs
+    return _to_target(idx, d2t), full
+
+
+def _to_target(idx: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
+    # EAGLE-3 convention: target id of draft index i is i + d2t[i] (an offset, not an id).
+    return idx if d2t is None else idx + d2t[idx]

@@ -1,0 +1,274 @@
+"""DFlash drafter (arXiv 2602.06036): a whole block drafted in one forward pass.
+
+A small Qwen3-style stack with no embedding or LM head of its own (it borrows the target's).
+Context: target hidden states of a few layers, fused by `fc` + `hidden_norm`, are projected by
+every layer's own k/v projections into extra K/V ("KV injection"); those context K/V are the
+drafter's only persistent cache, so catching up never needs queries, MLPs or logits (KV-only
+by construction). The block is [pending token, MASK x (b-1)] at absolute positions, attention
+inside it is bidirectional, and slot j predicts the token at its own position (same-position
+prediction), so one pass yields b-1 draft tokens.
+
+Layer ids follow z-lab: id i names the *output* of decoder layer i, i.e. Hugging Face
+`hidden_states[i + 1]` (vLLM / speculators store i + 1 instead).
+
+Extension (not in z-lab checkpoints): an optional reduced-vocabulary head (`lm_head.weight` of
+shape [draft_vocab, H] plus `d2t`), which cuts the cost of the 49k-row LM head on CPU.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, init_linear_
+from ..target import KVCache
+from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens
+from .checkpoint import load_state_dict, save_state_dict
+
+
+@dataclass
+class DFlashConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: list[int] = field(default_factory=list)  # z-lab convention (layer outputs)
+    num_target_layers: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    draft_vocab_size: int | None = None  # extension: reduced head
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return tuple(i + 1 for i in self.target_layer_ids)
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
+    """z-lab's rule: spread between the second layer and the third-to-last."""
+    L, n = num_target_layers, num_features
+    if n == 1:
+        return [L // 2]
+    return [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.self_attn = nn.Module()
+        a = self.self_attn
+        a.q_proj = nn.Linear(h, nh * hd, bias=False)
+        a.k_proj = nn.Linear(h, nkv * hd, bias=False)
+        a.v_proj = nn.Linear(h, nkv * hd, bias=False)
+        a.o_proj = nn.Linear(nh * hd, h, bias=False)
+        a.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        a.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(h, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def kv(self, x, cos, sin):
+        """K/V of rows x ([T, H]): k_norm then RoPE on keys; values as projected."""
+        a, t = self.self_attn, x.shape[0]
+        k = a.k_norm(a.k_proj(x).view(t, self.nkv, self.hd)).transpose(0, 1)
+        v = a.v_proj(x).view(t, self.nkv, self.hd).transpose(0, 1)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, mask=None):
+        """Block rows x attend to [context K/V ; block K/V], bidirectionally within the block."""
+        a, t = self.self_attn, x.shape[0]
+        h = self.input_layernorm(x)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(t, self.nh, self.hd)).transpose(0, 1), cos, sin)
+        k, v = self.kv(h, cos, sin)
+        k = torch.cat([ctx_k, k], dim=1)
+        v = torch.cat([ctx_v, v], dim=1)
+        x = x + a.o_proj(attend(q, k, v, mask))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashState(DrafterState):
+    def __init__(self, cache: KVCache):
+        self.cache = cache  # context K/V only; block K/V are never stored
+        self.n_seen = 0
+
+
+class DFlashDrafter(Drafter, nn.Module):
+    name = "dflash"
+
+    def __init__(self, cfg: DFlashConfig, embed_tokens: nn.Embedding, target_lm_head: nn.Linear):
+        nn.Module.__init__(self)
+        self.cfg = cfg
+        self.tap_layers = cfg.tap_layers
+        self.max_draft_tokens = cfg.block_size - 1
+        h = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        # Shared with the target; kept out of this module's state_dict (see state_dict_for_save).
+        self._shared = {"embed": embed_tokens, "head": target_lm_head}
+        if cfg.draft_vocab_size:
+            self.lm_head = nn.Linear(h, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        else:
+            self.lm_head = None
+            self.d2t = None
+        self.rotary = Rotary.default(cfg.head_dim, cfg.rope_theta, 4096)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        return self._shared["embed"]
+
+    def head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head if self.lm_head is not None else self._shared["head"]
+        return head(self.norm(h).to(head.weight.dtype))
+
+    # -- context K/V (catch-up) -----------------------------------------------------------
+
+    def context_kv(self, taps: torch.Tensor, start: int):
+        """Per-layer (k, v) of fused context features at positions start.. (used by training too)."""
+        t = taps.shape[0]
+        ctx = self.hidden_norm(self.fc(taps.reshape(t, -1)))
+        cos, sin = self.rotary.tables(slice(start, start + t), ctx.dtype)
+        return [layer.kv(ctx, cos, sin) for layer in self.layers]
+
+    @torch.inference_mode()
+    def catch_up(self, state: DFlashState, ctx: Context) -> None:
+        start, n = state.n_seen, ctx.n
+        if start >= n:
+            return
+        cache = state.cache
+        cache.ensure(n)
+        for i, (k, v) in enumerate(self.context_kv(ctx.features(self.tap_layers, start, n), start)):
+            cache.k[i][:, start:n] = k
+            cache.v[i][:, start:n] = v
+        cache.length = n
+        state.n_seen = n
+
+    # -- block drafting ---------------------------------------------------------------------
+
+    def block_hidden(self, block_ids: torch.Tensor, start: int, ctx_kv) -> torch.Tensor:
+        """Hidden states of a block at positions start.. given per-layer context (k, v)."""
+        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
+        cos, sin = self.rotary.tables(slice(start, start + x.shape[0]), x.dtype)
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, k, v)
+        return x
+
+    def new_state(self, capacity: int) -> DFlashState:
+        c = self.cfg
+        return DFlashState(KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.fc.weight.dtype,
+                                   self.fc.weight.device))
+
+    @torch.inference_mode()
+    def propose(self, state: DFlashState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
+        self.catch_up(state, ctx)
+        n = ctx.n
+        size = min(num_tokens, self.max_draft_tokens) + 1
+        block = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long)
+        block[0] = ctx.ids[n]
+        cache = state.cache
+        ctx_kv = [(cache.k[i][:, :n], cache.v[i][:, :n]) for i in range(len(self.layers))]
+        h = self.block_hidden(block, n, ctx_kv)
+        tokens, probs = pick_tokens(self.head_logits(h[1:]), sampling, self.d2t, self.cfg.vocab_size)
+        return Draft(tokens, probs)
+
+    # -- construction, loading, saving ------------------------------------------------------
+
+    @classmethod
+    def random(cls, cfg: DFlashConfig, embed_tokens, target_lm_head, seed: int = 0,
+               dtype=torch.float32, vocab_rows: torch.Tensor | None = None) -> "DFlashDrafter":
+        torch.manual_seed(seed)
+        model = cls(cfg, embed_tokens, target_lm_head)
+        init_linear_(model)
+        if cfg.draft_vocab_size:
+            model.set_vocab(vocab_rows if vocab_rows is not None else torch.arange(cfg.draft_vocab_size),
+                            target_lm_head.weight)
+        return model.to(dtype).eval()
+
+    def set_vocab(self, target_ids: torch.Tensor, target_head_weight: torch.Tensor) -> None:
+        """Reduced head = the target LM head's rows for `target_ids` (sorted)."""
+        ids = torch.sort(target_ids).values
+        self.d2t.copy_(ids - torch.arange(len(ids)))
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target_head_weight[ids].to(self.lm_head.weight.dtype))
+
+    def save(self, path: str, dtype=torch.bfloat16, extra: dict | None = None) -> None:
+        os.makedirs(path, exist_ok=True)
+        c = self.cfg
+        config = {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "block_size": c.block_size, "num_target_layers": c.num_target_layers,
+            "dflash_config": {"mask_token_id": c.mask_token_id, "target_layer_ids": list(c.target_layer_ids)},
+            "num_hidden_layers": c.num_layers, "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_heads,
+            "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim, "vocab_size": c.vocab_size,
+            "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+            "max_position_embeddings": c.max_position_embeddings, "attention_bias": False,
+            "hidden_act": "silu", "tie_word_embeddings": False,
+            "layer_types": ["full_attention"] * c.num_layers, "torch_dtype": str(dtype).replace("torch.", ""),
+        }
+        if c.draft_vocab_size:
+            config["draft_vocab_size"] = c.draft_vocab_size
+        if extra:
+            config.update(extra)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        save_state_dict(dict(self.state_dict()), os.path.join(path, "model.safetensors"), dtype)
+
+    @classmethod
+    def load(cls, path: str, embed_tokens, target_lm_head, num_target_layers: int,
+             dtype=torch.float32) -> "DFlashDrafter":
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+        cfg = config_from_json(raw, num_target_layers)
+        sd = load_state_dict(path)
+        sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
+        # Some uploads carry the target's embedding / full LM head: ignore them (they are shared).
+        sd.pop("embed_tokens.weight", None)
+        if not cfg.draft_vocab_size:
+            sd.pop("lm_head.weight", None)
+        model = cls(cfg, embed_tokens, target_lm_head)
+        missing, unexpected = model.load_state_dict(sd, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"DFlash checkpoint {path}: missing {missing}, unexpected {unexpected}")
+        return model.to(dtype).eval()
+
+
+def _get(raw: dict, key: str, default=None):
+    """Schema drift: keys live in `dflash_config` (newer) or at the top level (older heads)."""
+    sub = raw.get("dflash_config") or {}
+    if key in sub:
+        return sub[key]
+    return raw.get(key, default)
+
+
+def config_from_json(raw: dict, num_target_layers: int) -> DFlashConfig:
+    n_layers = raw["num_hidden_layers"]
+    layer_ids = _get(raw, "target_layer_ids") or default_target_layer_ids(
+        raw.get("num_target_layers", num_target_layers), n_layers)
+    rope = raw.get("rope_parameters") or {}
+    mask = _get(raw, "mask_token_id")
+    if mask is None:
+        raise ValueError("DFlash config has no mask_token_id (dflash_config.mask_token_id)")
+    return DFlashConfig(
+        hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=n_layers,
+        num_heads=raw["num_attention_heads"], num_kv_heads=raw.get("num_key_value_heads", raw["num_attention_heads"]),
+        head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+        vocab_size=raw["vocab_size"], block_size=int(_get(raw, "block_size", 16)), mask_token_id=int(mask),
+        target_layer_ids=list(layer_ids), num_target_layers=raw.get("num_target_layers", num_target_layers),
+        rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))),
+        max_position_embeddings=raw.get("max_position_embeddings", 40960),
+        draft_vocab_size=raw.get("draft_vocab_size"),
+    )

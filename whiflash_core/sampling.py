@@ -1,0 +1,82 @@
+"""Turning target logits into tokens, and verifying drafts against them without loss.
+
+Greedy: accept the longest prefix of the draft that equals the target's argmax at each row,
+then emit the target's argmax at the first mismatch (or after the last draft token).
+
+Sampling: standard speculative rejection sampling (Leviathan et al. 2023; Chen et al. 2023).
+Draft token x at row i is accepted with probability min(1, p(x)/q(x)); on the first rejection
+the output is drawn from the residual max(p - q, 0) normalised; if every draft is accepted the
+bonus token is drawn from p at the last row. Temperature, top-k and top-p shape p (the target
+side) only, so the emitted sequence is distributed exactly as sampling the target alone with
+those settings. A greedy drafter is a point mass q = 1{x}.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[rows, V] float32 logits -> the distribution the target samples from."""
+    logits = logits.float() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
+    """(number of accepted draft tokens, next token) for draft [k] and target logits [k+1, V]."""
+    pred = logits.argmax(-1)
+    k = draft.shape[0]
+    mismatch = (draft != pred[:k]).nonzero()
+    a = int(mismatch[0]) if mismatch.numel() else k
+    return a, int(pred[a])
+
+
+def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor | None, probs: torch.Tensor,
+                    generator: torch.Generator | None) -> tuple[int, int]:
+    """Rejection sampling. draft [k]; draft_probs [k, V] or None (point masses); probs [k+1, V]."""
+    k = draft.shape[0]
+    u = torch.rand(k, generator=generator, dtype=torch.float64) if k else None
+    for i in range(k):
+        x = int(draft[i])
+        p = float(probs[i, x])
+        q = 1.0 if draft_probs is None else float(draft_probs[i, x])
+        if q > 0 and float(u[i]) * q < p:
+            continue
+        if draft_probs is None:
+            residual = probs[i].clone()
+            residual[x] = 0.0
+        else:
+            residual = (probs[i] - draft_probs[i]).clamp_min(0.0)
+        total = float(residual.sum())
+        if total <= 0.0:  # p == q everywhere: the rejection above cannot happen, but stay safe
+            residual, total = probs[i], 1.0
+        return i, sample(residual / total, generator)
+    return k, sample(probs[k], generator)

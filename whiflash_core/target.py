@@ -1,0 +1,242 @@
+"""The target model: a plain Llama / Qwen3 decoder with a length-indexed KV cache.
+
+One forward over k new tokens returns their logits and the hidden states of the layers the
+drafters tap ("taps"), captured in that same forward. Tap index i means Hugging Face's
+`hidden_states[i]`: the residual stream entering decoder layer i (0 = embeddings), and
+i = num_layers the final-norm output.
+
+Rolling the cache back to any accepted length is a single integer assignment: slots past
+`length` are simply overwritten by the next forward.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, causal_mask
+
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
+
+
+@dataclass
+class TargetConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    qk_norm: bool = False          # Qwen3: per-head RMSNorm on q and k
+    attention_bias: bool = False   # Qwen2-style q/k/v biases
+    model_type: str = "llama"
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf(cls, cfg) -> "TargetConfig":
+        rope = getattr(cfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+        eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, list) else [cfg.eos_token_id]
+        return cls(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_layers=cfg.num_hidden_layers,
+            num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads,
+            rms_norm_eps=cfg.rms_norm_eps, rope_theta=float(theta),
+            max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
+            qk_norm=cfg.model_type in ("qwen3",), attention_bias=bool(getattr(cfg, "attention_bias", False)),
+            model_type=cfg.model_type, eos_token_ids=[e for e in eos if e is not None],
+        )
+
+
+class KVCache:
+    """Per-request cache: k, v of shape [layers, kv_heads, capacity, head_dim]; `length` is the valid prefix."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device="cpu"):
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for n tokens past `length`."""
+        self.ensure(self.length + n)
+
+    def ensure(self, end: int) -> None:
+        """Capacity for positions < end (doubling, so growth is amortised; all slots are kept)."""
+        if end <= self.capacity:
+            return
+        new_cap = max(end, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[:2] + (new_cap,) + old.shape[3:])
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def rollback(self, length: int) -> None:
+        assert 0 <= length <= self.length, (length, self.length)
+        self.length = length
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.nh, self.nkv, self.hd = nh, nkv, hd
+        self.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.nh, self.hd)
+        k = self.k_proj(x).view(t, self.nkv, self.hd)
+        v = self.v_proj(x).view(t, self.nkv, self.hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        k = apply_rope(k.transpose(0, 1), cos, sin)
+        k_cache[:, start:start + t] = k
+        v_cache[:, start:start + t] = v.transpose(0, 1)
+        end = start + t
+        return self.o_proj(attend(q, k_cache[:, :end], v_cache[:, :end], mask))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor        # [rows, vocab] float32, rows = positions from `logits_from` on
+    taps: torch.Tensor | None   # [T, n_taps, hidden] in model dtype
+    last_hidden: torch.Tensor   # [T, hidden] final-norm output (what the LM head reads)
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig, rotary: Rotary | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = rotary or Rotary.default(cfg.head_dim, cfg.rope_theta, min(cfg.max_position_embeddings, 4096))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, capacity: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype,
+                       self.embed_tokens.weight.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache: KVCache, taps: tuple[int, ...] = (),
+                logits_from: int = 0) -> TargetOutput:
+        """Run `tokens` (1-D) at positions cache.length..; append their K/V; advance the cache."""
+        t = tokens.shape[0]
+        start = cache.length
+        cache.reserve(t)
+        cos, sin = self.rotary.tables(slice(start, start + t), self.dtype)
+        mask = causal_mask(t, start, tokens.device)
+        x = self.embed_tokens(tokens)
+        captured = []
+        tap_set = set(taps)
+        for i, layer in enumerate(self.layers):
+            if i in tap_set:
+                captured.append((i, x))
+            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+        cache.length = start + t
+        h = self.norm(x)
+        if self.cfg.num_layers in tap_set:
+            captured.append((self.cfg.num_layers, h))
+        logits = self.lm_head(h[logits_from:]).float()
+        tap_tensor = None
+        if taps:
+            by_index = dict(captured)
+            tap_tensor = torch.stack([by_index[i] for i in taps], dim=1)
+        return TargetOutput(logits=logits, taps=tap_tensor, last_hidden=h)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def load_hf_model(path: str | None, gguf_file: str | None = None):
+    """The Hugging Face model and tokenizer (fp32). `path=None` means the embedded default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .embedded import EMBEDDED_GGUF, embedded_model_dir
+
+    if path is None:
+        path, gguf_file = embedded_model_dir(), EMBEDDED_GGUF
+    elif path.endswith(".gguf"):
+        path, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    model.eval()
+    return model, tok
+
+
+def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
+    """Build our TargetModel from a loaded transformers Llama/Qwen3 model (weights copied)."""
+    cfg = TargetConfig.from_hf(hf_model.config)
+    rot = hf_model.model.rotary_emb
+    rotary = Rotary(rot.inv_freq.detach().clone(), min(cfg.max_position_embeddings, 4096),
+                    float(getattr(rot, "attention_scaling", 1.0)))
+    with torch.device("meta"):
+        model = TargetModel(cfg, rotary)
+    state = {}
+    for name, tensor in hf_model.state_dict().items():
+        key = name[len("model."):] if name.startswith("model.") else name
+        state[key] = tensor
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = rotary
+    return model.to(dtype).eval()
+
+
+def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16"):
+    """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default."""
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    hf_model, tok = load_hf_model(path)
+    model = from_hf(hf_model, dt)
+    del hf_model
+    return model, tok

@@ -1,0 +1,1 @@
+"""Drafter training: self-distillation data (`whiflash train distill`) and drafter trainers."""
