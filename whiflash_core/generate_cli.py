@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint directory (SafeAILab or speculators)")
     p.add_argument("--dflash", default=None, help="DFlash checkpoint directory (z-lab format)")
+    p.add_argument("--weights", default="dense", choices=["dense", "int4"],
+                   help="int4: run the GGUF's Q4_1 weights with the CPU int4 matmul (bfloat16 only)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--trace", action="store_true", help="include per-token sources")
     p.set_defaults(func=run)
@@ -65,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise SystemExit(f"unknown method(s) {bad}; choose from {list(METHODS)}")
     items = read_prompts(args.prompts)
-    engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads)
+    engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
+                         args.weights)
     missing = [m for m in methods if m not in engine.methods]
     if missing:
         raise SystemExit(f"method(s) {missing} need drafters that are not loaded; available: {engine.methods}")

@@ -67,12 +67,13 @@ def load_drafters(path: str, target: TargetModel) -> dict:
 
 
 def load_engine(model: str | None = None, drafters: str | None = None, dtype: str = "bfloat16",
-                eagle3: str | None = None, dflash: str | None = None, threads: int | None = None) -> Engine:
+                eagle3: str | None = None, dflash: str | None = None, threads: int | None = None,
+                weights: str = "dense") -> Engine:
     """The engine for `model` (None = embedded SmolLM2) with drafters from `drafters` (a directory
     in the layout above), or explicit `eagle3` / `dflash` checkpoint directories."""
     if threads:
         torch.set_num_threads(threads)
-    target, tokenizer = load_target(model, DTYPES[dtype])
+    target, tokenizer = load_target(model, DTYPES[dtype], weights)
     found: dict = {}
     directory = drafters or (SHIPPED_DRAFTERS if model is None else None)
     if directory and os.path.isdir(directory):

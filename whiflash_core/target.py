@@ -233,10 +233,23 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
     return model.to(dtype).eval()
 
 
-def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16"):
-    """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default."""
+def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense"):
+    """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default.
+
+    weights="int4" runs the GGUF's own Q4_1 blocks through the CPU int4 matmul (see quant.py).
+    """
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     hf_model, tok = load_hf_model(path)
     model = from_hf(hf_model, dt)
     del hf_model
+    if weights == "int4":
+        from .embedded import EMBEDDED_GGUF, embedded_model_dir
+        from .quant import quantize_target_int4
+
+        gguf_path = path if path and path.endswith(".gguf") else os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
+        if dt != torch.bfloat16:
+            raise ValueError("int4 weights run with bfloat16 activations (--dtype bfloat16)")
+        quantize_target_int4(model, gguf_path)
+    elif weights != "dense":
+        raise ValueError(f"unknown weight format {weights!r} (dense or int4)")
     return model, tok

@@ -1,0 +1,50 @@
+"""The GGUF's Q4_1 blocks run through the CPU int4 matmul as the same weights."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+from whiflash_core.quant import Int4Linear, decode_q4_1, quantize_target_int4
+from whiflash_core.target import from_hf, load_hf_model
+
+
+def _encode_q4_1(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """ggml's Q4_1 byte layout, written independently of the decoder under test."""
+    rows, cols = q.shape
+    out = np.zeros((rows, cols // 32, 20), dtype=np.uint8)
+    out[..., 0:2] = d.astype(np.float16).reshape(rows, -1, 1).view(np.uint8)
+    out[..., 2:4] = m.astype(np.float16).reshape(rows, -1, 1).view(np.uint8)
+    blocks = q.reshape(rows, cols // 32, 32)
+    out[..., 4:] = blocks[..., :16] | (blocks[..., 16:] << 4)
+    return out.reshape(rows, -1)
+
+
+def test_q4_1_blocks_roundtrip_and_int4_matmul_matches_dense():
+    rng = np.random.default_rng(0)
+    rows, cols = 64, 96
+    q = rng.integers(0, 16, size=(rows, cols), dtype=np.uint8)
+    d = rng.uniform(0.01, 0.1, size=(rows, cols // 32)).astype(np.float16).astype(np.float32)
+    m = rng.uniform(-0.5, 0.0, size=(rows, cols // 32)).astype(np.float16).astype(np.float32)
+    q2, d2, m2 = decode_q4_1(_encode_q4_1(q, d, m), cols)
+    assert (q2 == q).all() and (d2 == d).all() and (m2 == m).all()
+    w = torch.from_numpy((q.reshape(rows, -1, 32) * d[..., None] + m[..., None]).reshape(rows, cols))
+    lin = Int4Linear(q, d, m)
+    x = torch.randn(5, cols, dtype=torch.bfloat16)
+    ref = x.float() @ w.T
+    torch.testing.assert_close(lin(x).float(), ref, rtol=0.02, atol=0.05 * float(ref.abs().max()))
+
+
+def test_embedded_model_runs_on_its_own_q4_1_weights():
+    hf, _ = load_hf_model(None)
+    dense = from_hf(hf, torch.bfloat16)
+    int4 = from_hf(hf, torch.bfloat16)
+    # raises if any packed block differs from the weights transformers dequantised
+    assert quantize_target_int4(int4, os.path.join(embedded_model_dir(), EMBEDDED_GGUF)) == 210
+    ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
+    a = dense(ids, dense.new_cache(64)).logits
+    b = int4(ids, int4.new_cache(64)).logits
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8

@@ -1,0 +1,112 @@
+"""Run the GGUF's own Q4_1 weights without dequantising them (CPU int4 weight-only matmul).
+
+The embedded model ships as Q4_1: blocks of 32 weights along the input dimension, each
+w = d * q + m with q in 0..15 and fp16 d, m. PyTorch's CPU int4 matmul (the tinygemm layout that
+gpt-fast and torchao use) computes w = (q - 8) * scale + zero per group, so the same weights are
+scale = d, zero = m + 8 d. Only d and m are rounded (to bf16, the kernel's scale dtype), so this
+target is numerically close to, but not the same function as, the dequantised bf16 one: it is a
+flag (`--weights int4`), and the float32 reference path stays.
+
+Decode is bound by reading weights (about 270 MB per token in bf16); int4 reads a quarter of that.
+For many rows (long prefill, big verify) the dense bf16 GEMM is faster, so `Int4Linear` keeps an
+optional dense copy and uses it above `dense_from_rows` rows.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+GROUP = 32
+Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
+
+
+def decode_q4_1(raw: np.ndarray, n_cols: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """raw uint8 [rows, n_cols/32*20] -> (q uint8 [rows, n_cols], d f32 [rows, G], m f32 [rows, G])."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, n_cols // GROUP, Q4_1_BLOCK_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    qs = blocks[..., 4:]
+    # ggml order: low nibbles are elements 0..15 of the block, high nibbles 16..31
+    q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, n_cols)
+    return q, d, m
+
+
+def _reverse_permute(x: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation for rotary (as transformers does on load)."""
+    dim = x.shape[0] // n_head // 2
+    return x.reshape(n_head, dim, 2, *x.shape[1:]).swapaxes(2, 1).reshape(x.shape)
+
+
+GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+              "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+              "ffn_down": "mlp.down_proj"}
+
+
+def read_q4_1_linears(gguf_path: str, num_heads: int, num_kv_heads: int) -> dict[str, tuple]:
+    """{'layers.{i}.{module}': (q, d, m)} for every Q4_1 linear in the file, in HF orientation."""
+    import gguf
+
+    out = {}
+    for t in gguf.GGUFReader(gguf_path).tensors:
+        if t.tensor_type.name != "Q4_1" or not t.name.startswith("blk."):
+            continue
+        _, layer, kind, _ = t.name.split(".")
+        n_cols = int(t.shape[0])  # gguf shapes are [in, out]
+        q, d, m = decode_q4_1(np.asarray(t.data), n_cols)
+        if kind in ("attn_q", "attn_k"):
+            heads = num_heads if kind == "attn_q" else num_kv_heads
+            q, d, m = (_reverse_permute(a, heads) for a in (q, d, m))
+        out[f"layers.{layer}.{GGUF_TO_HF[kind]}"] = (q, d, m)
+    return out
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T with W held as packed int4 + per-group (scale, zero); bias-free."""
+
+    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray, dense: torch.Tensor | None = None,
+                 dense_from_rows: int = 10**9):
+        super().__init__()
+        n, k = q.shape
+        self.in_features, self.out_features = k, n
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
+        scale = torch.from_numpy(d)
+        zero = torch.from_numpy(m) + 8 * scale
+        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.dense = dense
+        self.dense_from_rows = dense_from_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.dense is not None and x2.shape[0] >= self.dense_from_rows:
+            y = nn.functional.linear(x2, self.dense)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
+                                                          GROUP, self.scales_and_zeros)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_target_int4(model, gguf_path: str, dense_from_rows: int = 10**9) -> int:
+    """Swap the target's Q4_1 linears for Int4Linear in place; returns how many were swapped.
+
+    Checks on the way that d*q + m reproduces the dequantised weights the model was loaded with,
+    i.e. that the packed weights are the GGUF's own.
+    """
+    cfg = model.cfg
+    found = read_q4_1_linears(gguf_path, cfg.num_heads, cfg.num_kv_heads)
+    swapped = 0
+    for name, (q, d, m) in found.items():
+        parent_name, attr = name.rsplit(".", 1)
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, attr)
+        w = linear.weight.detach()
+        deq = torch.from_numpy(q.astype(np.float32).reshape(q.shape[0], -1, GROUP) * d[..., None] + m[..., None])
+        deq = deq.reshape(q.shape)
+        if not torch.allclose(deq.to(w.dtype).float(), w.float(), rtol=0, atol=1e-2 * float(w.abs().max())):
+            raise ValueError(f"{name}: GGUF Q4_1 blocks do not match the loaded weights")
+        dense = w.to(torch.bfloat16) if dense_from_rows < 10**9 else None
+        setattr(parent, attr, Int4Linear(q, d, m, dense, dense_from_rows))
+        swapped += 1
+    return swapped
