@@ -143,7 +143,10 @@ class Generation:
 
         p = len(request.prompt_ids)
         longest_draft = max([self._draft_len(n) for n in self.active] + [0])
-        capacity = p + request.max_new_tokens + longest_draft + 2
+        self.longest_draft = longest_draft
+        # Buffers start small and grow by doubling: a request without max_tokens may run to the
+        # context length, but most stop far earlier.
+        capacity = p + min(request.max_new_tokens, 256) + longest_draft + 2
         self.prompt_len = p
         self.ids = torch.zeros(capacity, dtype=torch.long)
         self.ids[:p] = torch.tensor(request.prompt_ids)
@@ -154,6 +157,7 @@ class Generation:
         self.states = {name: engine.drafters[name].new_state(capacity) for name in self.active}
 
         self.output: list[int] = []      # emitted token ids (stop token excluded)
+        self.round_tokens = 0            # tokens decided by rounds (a stop token counts too)
         self.sources: list[str] = []
         self.rounds_of: list[int] = []
         self.rounds = 0
@@ -181,6 +185,17 @@ class Generation:
         k = self.spec.num_draft_tokens or getattr(drafter.cfg, "num_draft_tokens", 4)
         return max(0, min(k, drafter.max_draft_tokens))
 
+    def _ensure_capacity(self, end: int) -> None:
+        """Room for positions < end in the token and tap buffers (caches grow on their own)."""
+        if end <= self.ids.shape[0]:
+            return
+        size = max(end, 2 * self.ids.shape[0])
+        ids = torch.zeros(size, dtype=torch.long)
+        ids[: self.ids.shape[0]] = self.ids
+        taps = self.taps.new_zeros((size,) + self.taps.shape[1:])
+        taps[: self.taps.shape[0]] = self.taps
+        self.ids, self.taps = ids, taps
+
     def _context(self) -> Context:
         return Context(self.ids, self.cache.length, self.taps, self.engine.tap_layers)
 
@@ -199,18 +214,20 @@ class Generation:
         dp = None if draft_probs is None else draft_probs[: draft.shape[0]]
         return verify_sampling(draft, dp, probs, self.generator)
 
-    def _emit(self, tokens: list[int], sources: list[str]) -> None:
+    def _emit(self, tokens: list[int], sources: list[str], by_round: bool = True) -> None:
         reason = None
         kept: list[int] = []
         for tok, src in zip(tokens, sources):
             if tok in self.stop_ids:
                 reason = "stop"
+                self.round_tokens += by_round
                 break
             if len(self.output) >= self.request.max_new_tokens:
                 break
             self.output.append(tok)
             self.sources.append(src)
             self.rounds_of.append(self.rounds)
+            self.round_tokens += by_round
             kept.append(tok)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
@@ -249,7 +266,7 @@ class Generation:
         self.last_logits = out.logits[-1]
         self.ids[p] = tok
         self.times.prefill += time.perf_counter() - t0
-        self._emit([tok], ["target"])
+        self._emit([tok], ["target"], by_round=False)
 
     def step(self) -> list[tuple[int, str]]:
         """One speculation round; returns the (token, source) pairs it emitted."""
@@ -257,6 +274,7 @@ class Generation:
             return []
         before = len(self.output)
         n = self.cache.length
+        self._ensure_capacity(n + self.longest_draft + 2)
         name, draft, draft_probs = None, None, None
         if self.active:
             t0 = time.perf_counter()
@@ -314,7 +332,6 @@ class Generation:
     def stats(self, trace: bool | None = None) -> dict:
         """Per-request stats in the shape the HTTP API returns."""
         trace = self.spec.trace if trace is None else trace
-        emitted_by_rounds = max(0, len(self.output) - 1)  # the first token comes from prefill
         drafts = sum(d["draft_tokens"] for d in self.per_drafter.values())
         accepted = sum(d["accepted_tokens"] for d in self.per_drafter.values())
         out = {
@@ -322,7 +339,8 @@ class Generation:
             "rounds": self.rounds,
             "draft_tokens": drafts,
             "accepted_tokens": accepted,
-            "acceptance_length": round(emitted_by_rounds / self.rounds, 4) if self.rounds else 0.0,
+            # tokens decided per target forward after prefill (the first token comes from prefill)
+            "acceptance_length": round(self.round_tokens / self.rounds, 4) if self.rounds else 0.0,
             "drafters": {k: dict(v) for k, v in self.per_drafter.items()},
             "switches": self.switches,
         }

@@ -1,0 +1,97 @@
+"""The FastAPI app: OpenAI-compatible routes around one Engine.
+
+    POST /v1/chat/completions   (also /chat/completions, for clients whose base URL lacks /v1)
+    GET  /v1/models
+    GET  /health                unauthenticated, cheap
+    GET  /metrics               Prometheus text, unauthenticated
+
+`create_app(engine, settings)` builds everything per app (scheduler thread, metrics registry,
+event bus), so tests can run several apps in one process.
+"""
+from __future__ import annotations
+
+import secrets
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from whiflash_core.engine import Engine
+
+from .errors import APIError, install_error_handlers, validation_error
+from .events import EventBus
+from .metrics import Metrics
+from .scheduler import Scheduler
+from .schemas import ChatCompletionRequest, ModelCard, ModelList
+from .serving import ChatServing
+from .settings import Settings
+
+
+def _auth_dependency(api_key: str | None):
+    async def check(authorization: str | None = Header(None)) -> None:
+        if api_key is None:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+            raise APIError("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
+    return check
+
+
+def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    model_name = settings.served_model_name or engine.model_name
+    metrics = Metrics(model_name)
+    events = EventBus()
+    scheduler = Scheduler(engine, metrics, events, max_active=settings.max_active, max_queue=settings.max_queue,
+                          request_timeout=settings.request_timeout)
+    serving = ChatServing(engine, scheduler, settings, model_name)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        scheduler.start()
+        try:
+            yield
+        finally:
+            scheduler.stop()
+
+    app = FastAPI(title="WhiFlash Gateway", version="0.1.0", lifespan=lifespan)
+    # handles for later features (e.g. a /stats page subscribing to `events`)
+    app.state.engine, app.state.settings, app.state.scheduler = engine, settings, scheduler
+    app.state.events, app.state.metrics, app.state.serving = events, metrics, serving
+    install_error_handlers(app)
+    if settings.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"], allow_credentials="*" not in settings.cors_origins)
+
+    api = APIRouter(dependencies=[Depends(_auth_dependency(settings.api_key))])
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        # parsed here rather than by FastAPI so that any content type works and every failure
+        # (malformed JSON included) becomes an OpenAI-shaped 400
+        try:
+            body = ChatCompletionRequest.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise validation_error(exc) from None
+        return await serving.create(body, request)
+
+    api.add_api_route("/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
+
+    @api.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_context,
+                                         speculation_methods=engine.methods)])
+
+    @app.get("/health")
+    async def health():
+        alive = scheduler.alive
+        return JSONResponse({"status": "ok" if alive else "unavailable"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
+    app.include_router(api)
+    return app

@@ -1,0 +1,276 @@
+"""Request and response models of the OpenAI Chat Completions API (the subset served here).
+
+Requests are lenient like OpenAI's: unknown top-level fields are ignored (logged at debug level),
+`max_tokens` and `max_completion_tokens` are both accepted, `stream_options` without `stream` is
+ignored. Our own extension, `speculation`, is strict: a typo there is a 400 naming the field.
+
+Responses serialize like vLLM's: optional delta fields that are unset are omitted (a tool call's
+`id`, `type` and `name` appear only in its first delta, since clients concatenate repeats).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+
+# --- request -----------------------------------------------------------------------------------
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(_Lenient):
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(_Lenient):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+TEXT_PARTS = ("text", "input_text", "output_text", "refusal")
+
+
+class ChatMessage(_Lenient):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content):
+        if isinstance(content, list):
+            for part in content:
+                if part.type not in TEXT_PARTS:
+                    raise ValueError(f"content part type {part.type!r} is not supported (text only)")
+        return content
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plain-dict form `whiflash_core.chat.render_chat` takes."""
+        out: dict[str, Any] = {"role": "tool" if self.role == "function" else self.role}
+        if isinstance(self.content, list):
+            out["content"] = [{"type": "text", "text": p.text or ""} for p in self.content]
+        else:
+            out["content"] = self.content
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+class FunctionDefinition(_Lenient):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Lenient):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Lenient):
+    name: str
+
+
+class NamedToolChoice(_Lenient):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JSONSchemaSpec(_Lenient):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Lenient):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaSpec | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama.cpp / SGLang bare form
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = None
+
+
+class SpeculationParams(BaseModel):
+    """Per-request speculative decoding knobs (`extra_body={"speculation": {...}}`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    method: Literal["none", "eagle3", "dflash", "whiflash"] | None = None
+    policy: Literal["entropy"] | None = None
+    alpha: float | None = Field(None, ge=0.0, le=1.0)
+    num_draft_tokens: int | None = Field(None, ge=1, le=64)
+    block_size: int | None = Field(None, ge=2, le=65)
+    trace: bool | None = None
+
+
+class ChatCompletionRequest(_Lenient):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)  # vLLM/SGLang extension
+    n: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = None
+    user: str | None = None
+    speculation: SpeculationParams | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stops(cls, stop):
+        stops = [stop] if isinstance(stop, str) else (stop or [])
+        if len(stops) > 16:
+            raise ValueError("at most 16 stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @property
+    def unknown_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+# --- response ----------------------------------------------------------------------------------
+
+
+class _OmitNone(BaseModel):
+    """Drops the listed keys when they are None (everything else serializes as usual)."""
+
+    omit_if_none: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _omit(self, handler):
+        data = handler(self)
+        for key in self.omit_if_none:
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class ResponseFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunction
+
+
+class ResponseMessage(_OmitNone):
+    omit_if_none = ("tool_calls",)
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: ResponseMessage
+    finish_reason: str
+    logprobs: None = None
+
+
+def _created() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(_OmitNone):
+    omit_if_none = ("speculation",)
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    system_fingerprint: str | None = None
+    speculation: dict[str, Any] | None = None
+
+
+class DeltaFunction(_OmitNone):
+    omit_if_none = ("name", "arguments")
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    omit_if_none = ("id", "type", "function")
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunction | None = None
+
+
+class DeltaMessage(_OmitNone):
+    omit_if_none = ("role", "content", "tool_calls")
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(_OmitNone):
+    omit_if_none = ("usage", "speculation")
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+    speculation: dict[str, Any] | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_created)
+    owned_by: str = "whiflash"
+    max_model_len: int
+    speculation_methods: list[str]
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,65 @@
+"""`whiflash serve`: the OpenAI-compatible gateway under uvicorn.
+
+Settings come from `WHIFLASH_*` environment variables (see app/settings.py); flags override them.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # every default is None: an absent flag leaves the environment / built-in default in place
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
+    p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float64", "float16"])
+    p.add_argument("--weights", default=None, choices=["dense", "int4"],
+                   help="int4: run the GGUF's Q4_1 weights with the CPU int4 matmul (bfloat16 only)")
+    p.add_argument("--served-model-name", default=None, help="model id reported by the API")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--max-active", type=int, default=None, help="generations interleaved at once (default 16)")
+    p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
+    p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
+    p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
+    p.add_argument("--speculation-method", default=None, choices=["none", "eagle3", "dflash", "whiflash"],
+                   help="default method (default: the best one the loaded drafters allow)")
+    p.add_argument("--speculation-alpha", type=float, default=None, help="default router alpha (0..1)")
+    p.add_argument("--default-max-tokens", type=int, default=None)
+    p.add_argument("--force-include-usage", action="store_true", default=None,
+                   help="send the usage chunk on every stream")
+    p.add_argument("--parallel-tool-calls", action="store_true", default=None,
+                   help="allow several tool calls per turn when a request does not say (default: one)")
+    p.add_argument("--log-level", default=None)
+    p.set_defaults(func=run)
+
+
+def settings_from_args(args: argparse.Namespace):
+    from .settings import Settings
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command") and v is not None}
+    return Settings(**overrides)  # init kwargs take precedence over WHIFLASH_* variables
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    import uvicorn
+
+    from whiflash_core.loading import load_engine
+
+    from .main import create_app
+
+    settings = settings_from_args(args)
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=settings.threads,
+                         weights=settings.weights)
+    app = create_app(engine, settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
+                timeout_graceful_shutdown=5)
+    return 0

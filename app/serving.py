@@ -1,0 +1,303 @@
+"""`POST /v1/chat/completions`: request -> GenerationRequest -> scheduler -> response or SSE stream.
+
+Everything that can fail because of the request (validation, prompt length, grammar compilation,
+admission) happens in `prepare()` and `submit()`, before a streaming response sends its 200, so
+those failures are real HTTP errors. After that, a failure is an in-stream error event + [DONE].
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from sse_starlette import EventSourceResponse
+
+from whiflash_core.chat import encode_chat
+from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
+from whiflash_core.sampling import SamplingParams
+
+from .errors import APIError, bad_request, context_length_exceeded, internal_error
+from .output import TextAccumulator
+from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
+from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
+                      DeltaMessage, NamedToolChoice, ResponseFunction, ResponseMessage, ResponseToolCall, Usage)
+from .settings import Settings
+from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id, parse_tool_calls
+
+log = logging.getLogger(__name__)
+
+SSE_PING_SECONDS = 15  # comment lines (": ping"), which every SSE client ignores
+
+
+@dataclass
+class Prepared:
+    """A validated request, ready to submit."""
+    id: str
+    created: int
+    generation: GenerationRequest
+    stream: bool
+    include_usage: bool
+    stop: list[str]
+    parse_tools: bool
+    parallel_tool_calls: bool
+    info: dict[str, Any]  # request facts for the event feed
+
+
+class ChatServing:
+    def __init__(self, engine: Engine, scheduler: Scheduler, settings: Settings, model_name: str):
+        self.engine, self.scheduler, self.settings = engine, scheduler, settings
+        self.model_name = model_name
+        self._grammars = None
+
+    # -- validation and request building --------------------------------------------------------
+
+    @property
+    def grammars(self):
+        if self._grammars is None:  # xgrammar's tokenizer tables are built on first use
+            from whiflash_core.constraints import GrammarFactory
+
+            self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.target.cfg.vocab_size,
+                                            self.engine.eos_ids)
+        return self._grammars
+
+    def default_method(self) -> str:
+        if self.settings.speculation_method is not None:
+            return self.settings.speculation_method
+        return self.engine.methods[-1]  # none < eagle3 < dflash < whiflash, as far as loaded
+
+    def prepare(self, req: ChatCompletionRequest) -> Prepared:
+        """Validate `req` and build the engine request (raises APIError). Runs in a worker thread:
+        tokenization and grammar compilation are CPU work."""
+        if req.unknown_fields:
+            log.debug("ignoring unknown request fields %s", req.unknown_fields)
+        if req.n not in (None, 1):
+            raise bad_request("Only n=1 is supported.", "n", "unsupported_value")
+        if req.logprobs:
+            raise bad_request("logprobs are not supported.", "logprobs", "unsupported_value")
+
+        tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []]
+        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
+        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+        if (choice == "required" or named is not None) and not tools:
+            raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if named is not None and named not in {t["function"]["name"] for t in tools}:
+            raise bad_request(f"tool_choice names {named!r}, which is not among the tools.", "tool_choice")
+        # Absent means the server default: one call per turn unless configured otherwise (llama.cpp's
+        # choice; under `required` a small model otherwise keeps appending calls until max_tokens).
+        parallel = req.parallel_tool_calls if req.parallel_tool_calls is not None \
+            else self.settings.parallel_tool_calls
+        # tool_choice "none": the tools are left out of the prompt, so the model answers in text
+        prompt_tools = tools if choice != "none" else None
+
+        spec = self._speculation(req)
+        ids = self._encode([m.as_dict() for m in req.messages], prompt_tools)
+        limit = self.engine.max_context
+        if len(ids) + 1 >= limit:
+            raise context_length_exceeded(len(ids), limit)
+        room = limit - len(ids) - 1
+        wanted = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens or room
+        max_new = min(wanted, room)
+
+        temperature = req.temperature if req.temperature is not None else self.settings.default_temperature
+        top_p = req.top_p if req.top_p is not None else self.settings.default_top_p
+        seed = None if req.seed is None else req.seed % 2**63
+        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed)
+
+        constraint = self._constraint(req, tools, choice, named, parallel)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        return Prepared(
+            id=request_id, created=int(time.time()),
+            generation=GenerationRequest(ids, max_new, sampling, spec, constraint=constraint),
+            stream=bool(req.stream),
+            include_usage=bool(req.stream and ((req.stream_options and req.stream_options.include_usage)
+                                               or self.settings.force_include_usage)),
+            stop=list(req.stop or []), parse_tools=choice != "none", parallel_tool_calls=parallel,
+            info={"temperature": temperature, "stream": bool(req.stream), "tools": len(tools),
+                  "tool_choice": choice if isinstance(choice, str) else "named", "user": req.user})
+
+    def _encode(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        try:
+            return encode_chat(self.engine.tokenizer, messages, tools)
+        except Exception as exc:  # e.g. a template's raise_exception(): the request's fault, not ours
+            raise bad_request(f"Could not render the chat template: {exc}", "messages") from exc
+
+    def _speculation(self, req: ChatCompletionRequest) -> SpeculationConfig:
+        s = self.settings
+        p = req.speculation
+        method = (p.method if p and p.method else None) or self.default_method()
+        if method not in self.engine.methods:
+            raise bad_request(f"Speculation method {method!r} is not available: its drafters are not loaded. "
+                              f"Available: {self.engine.methods}.", "speculation.method", "method_unavailable")
+
+        def pick(name, default):
+            value = getattr(p, name) if p is not None else None
+            return default if value is None else value
+
+        return SpeculationConfig(method=method, policy=pick("policy", "entropy"),
+                                 alpha=pick("alpha", s.speculation_alpha),
+                                 num_draft_tokens=pick("num_draft_tokens", s.num_draft_tokens),
+                                 block_size=pick("block_size", s.block_size), trace=pick("trace", False))
+
+    def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):
+        fmt = req.response_format
+        wants_json = fmt is not None and fmt.type != "text"
+        forced_tools = choice == "required" or named is not None
+        if wants_json and forced_tools:
+            raise bad_request("response_format cannot be combined with a required or named tool_choice.",
+                              "response_format")
+        try:
+            if forced_tools:
+                chosen = [t for t in tools if named is None or t["function"]["name"] == named]
+                return self.grammars.tool_calls(chosen, parallel and named is None)
+            if wants_json and fmt.type == "json_object":
+                return self.grammars.json_object()
+            if wants_json:
+                spec = fmt.json_schema
+                schema = spec.schema_ if spec is not None else fmt.schema_
+                if schema is None:
+                    raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
+                return self.grammars.json_schema(schema, strict=spec.strict is not False if spec else True)
+        except APIError:
+            raise
+        except Exception as exc:  # xgrammar rejects the schema
+            param = "tools" if forced_tools else "response_format"
+            raise bad_request(f"Could not compile a grammar for the {param}: {exc}", param, "invalid_schema") from exc
+        return None
+
+    # -- entry point ----------------------------------------------------------------------------
+
+    async def create(self, req: ChatCompletionRequest, http: Request):
+        prepared = await asyncio.to_thread(self.prepare, req)
+        handle = self.scheduler.submit(prepared.generation, prepared.id, prepared.info)
+        if prepared.stream:
+            return EventSourceResponse(self._stream(prepared, handle), sep="\n", ping=SSE_PING_SECONDS)
+        try:
+            return await self._complete(prepared, handle, http)
+        finally:
+            handle.cancel("abort")  # no-op when finished; stops the engine if we leave early
+
+    # -- non-streaming ----------------------------------------------------------------------------
+
+    async def _complete(self, p: Prepared, handle: RequestHandle, http: Request) -> JSONResponse:
+        acc = TextAccumulator(self.engine.tokenizer, p.stop)
+        finished: Finished | None = None
+        while finished is None:
+            try:
+                item = await asyncio.wait_for(handle.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await http.is_disconnected():
+                    handle.cancel("abort")
+                    raise APIError("client disconnected", 499, "invalid_request_error", None,
+                                   "client_closed") from None
+                continue
+            if isinstance(item, TokenBatch):
+                if not acc.stopped:
+                    acc.add(item.token_ids)
+                    if acc.stopped:
+                        handle.cancel("stop")
+            elif isinstance(item, Failed):
+                raise item.error
+            else:
+                finished = item
+        acc.finish()
+        text = acc.text
+        if p.parse_tools:
+            content, calls = parse_tool_calls(text, p.parallel_tool_calls)
+        else:
+            content, calls = text, []
+        reason = self._finish_reason(finished, acc, bool(calls), p.parse_tools)
+        message = ResponseMessage(content=content, tool_calls=[
+            ResponseToolCall(id=new_tool_call_id(), function=ResponseFunction(name=c.name, arguments=c.arguments))
+            for c in calls] or None)
+        body = ChatCompletionResponse(
+            id=p.id, created=p.created, model=self.model_name,
+            choices=[Choice(message=message, finish_reason=reason)],
+            usage=self._usage(finished, acc), speculation=finished.stats)
+        return JSONResponse(body.model_dump(mode="json"))
+
+    @staticmethod
+    def _usage(finished: Finished, acc: TextAccumulator) -> Usage:
+        completion = acc.num_tokens if acc.stopped else finished.completion_tokens
+        return Usage(prompt_tokens=finished.prompt_tokens, completion_tokens=completion,
+                     total_tokens=finished.prompt_tokens + completion)
+
+    @staticmethod
+    def _finish_reason(finished: Finished, acc: TextAccumulator, has_calls: bool, parse_tools: bool) -> str:
+        if finished.finish_reason == "length" and not acc.stopped and parse_tools and ends_inside_tool_call(acc.text):
+            return "length"  # cut off inside a call: report it, don't invent one
+        if has_calls:
+            return "tool_calls"
+        if acc.stopped or finished.finish_reason == "cancelled":
+            return "stop"
+        return finished.finish_reason
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    def _chunk(self, p: Prepared, delta: DeltaMessage | None, finish_reason: str | None = None,
+               usage: Usage | None = None, speculation: dict | None = None) -> str:
+        choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish_reason)]
+        chunk = ChatCompletionChunk(id=p.id, created=p.created, model=self.model_name, choices=choices,
+                                    usage=usage, speculation=speculation)
+        return chunk.model_dump_json()
+
+    async def _stream(self, p: Prepared, handle: RequestHandle) -> AsyncIterator[str]:
+        acc = TextAccumulator(self.engine.tokenizer, p.stop)
+        tools = StreamingToolParser(p.parallel_tool_calls) if p.parse_tools else None
+        sent = 0
+
+        def delta(final: bool) -> DeltaMessage | None:
+            nonlocal sent
+            text = acc.visible(final)
+            if tools is not None:
+                content, calls = tools.update(text, final)
+            else:
+                content, calls = text[sent:], []
+                sent = len(text)
+            if not content and not calls:
+                return None
+            return DeltaMessage(content=content or None, tool_calls=calls or None)
+
+        try:
+            yield self._chunk(p, DeltaMessage(role="assistant", content=""))
+            finished = None
+            async for item in handle:
+                if isinstance(item, TokenBatch):
+                    if acc.stopped:
+                        continue
+                    acc.add(item.token_ids)
+                    if acc.stopped:
+                        handle.cancel("stop")
+                    d = delta(final=False)
+                    if d is not None:
+                        yield self._chunk(p, d)
+                elif isinstance(item, Failed):
+                    yield json.dumps(item.error.body())
+                    yield "[DONE]"
+                    return
+                else:
+                    finished = item
+            acc.finish()
+            d = delta(final=True)
+            if d is not None:
+                yield self._chunk(p, d)
+            reason = self._finish_reason(finished, acc, bool(tools and tools.calls), p.parse_tools)
+            stats = finished.stats
+            yield self._chunk(p, DeltaMessage(), reason, speculation=None if p.include_usage else stats)
+            if p.include_usage:
+                yield self._chunk(p, None, usage=self._usage(finished, acc), speculation=stats)
+            yield "[DONE]"
+        except asyncio.CancelledError:  # client went away (sse-starlette cancels us)
+            raise
+        except Exception as exc:
+            log.exception("stream %s failed", p.id)
+            yield json.dumps(internal_error(f"stream failed: {type(exc).__name__}: {exc}").body())
+            yield "[DONE]"
+        finally:
+            handle.cancel("abort")

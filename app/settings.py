@@ -1,0 +1,50 @@
+"""Server settings: environment variables `WHIFLASH_<NAME>`, overridden by `whiflash serve` flags."""
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="WHIFLASH_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    model: str | None = Field(None, description="HF model directory or .gguf (default: embedded SmolLM2)")
+    drafters: str | None = Field(None, description="drafter directory (default: the shipped drafters)")
+    dtype: Literal["bfloat16", "float32", "float64", "float16"] = "bfloat16"
+    weights: Literal["dense", "int4"] = Field("dense", description="int4: the GGUF's Q4_1 blocks (bfloat16 only)")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    served_model_name: str | None = None
+    api_key: str | None = None
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    log_level: str = "info"
+
+    # scheduling
+    max_active: int = Field(16, ge=1, description="generations stepped round-robin at once")
+    max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429s")
+    request_timeout: float = Field(600.0, gt=0, description="seconds from arrival to the last token")
+
+    # request defaults
+    default_max_tokens: int | None = Field(None, ge=1, description="None: up to the context length")
+    default_temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
+    default_top_p: float = Field(1.0, gt=0.0, le=1.0)
+    force_include_usage: bool = False
+    parallel_tool_calls: bool = Field(False, description="default when a request does not say")
+
+    # speculation defaults (a request's `speculation` object overrides them)
+    speculation_method: Literal["none", "eagle3", "dflash", "whiflash"] | None = Field(
+        None, description="None: the best method the loaded drafters allow")
+    speculation_alpha: float = Field(0.5, ge=0.0, le=1.0)
+    num_draft_tokens: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=2)
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value):
+        # WHIFLASH_CORS_ORIGINS="http://a,http://b" as well as a list from the CLI
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value

@@ -1,0 +1,373 @@
+"""Gateway pieces without the model: parsers, stop strings, settings, and the app in-process around
+a fake engine that replays a fixed reply several tokens per round (as speculative rounds do)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.output import TextAccumulator
+from app.settings import Settings
+from app.tools import StreamingToolParser, parse_tool_calls
+
+# --- tool-call parsing under every chunking ------------------------------------------------------
+
+RECORDED = [
+    # (model output, expected content, expected [(name, arguments)])
+    ('<tool_call>\n{"name": "get_weather", "arguments": {\n   "city": "Paris",\n   "unit": "celsius"\n}}\n</tool_call>',
+     None, [("get_weather", '{\n   "city": "Paris",\n   "unit": "celsius"\n}')]),
+    ('Let me check.\n<tool_call>\n{"name": "a", "arguments": {"s": "br}ace \\" {quote", "n": [1, {"x": null}]}}\n'
+     '</tool_call>\n<tool_call>\n{"arguments": {}, "name": "b"}\n</tool_call>',
+     "Let me check.", [("a", '{"s": "br}ace \\" {quote", "n": [1, {"x": null}]}'), ("b", "{}")]),
+    ('<tool_call>\n{"name": "c"}\n</tool_call>', None, [("c", "{}")]),
+    # cut off by max_tokens inside a second call: the complete one is kept
+    ('<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n<tool_call>\n{"name": "a", "argu',
+     None, [("a", '{"x": 1}')]),
+]
+PLAIN = ["Hello <tool but not a call", "x < y and y > z  \n", "<tool_call>not json</tool_call> trailing"]
+
+
+def stream_parse(text: str, size: int, parallel: bool = True):
+    parser = StreamingToolParser(parallel)
+    content, calls = "", {}
+    cuts = list(range(size, len(text), size)) + [len(text)]
+    for n, cut in enumerate(cuts):
+        piece, deltas = parser.update(text[:cut], final=n == len(cuts) - 1)
+        content += piece
+        for d in deltas:
+            entry = calls.setdefault(d.index, {"ids": 0, "name": None, "arguments": ""})
+            if d.id:
+                entry["ids"] += 1
+                assert d.type == "function" and d.function.name and entry["name"] is None
+                entry["name"] = d.function.name
+            else:
+                assert d.type is None and d.function.name is None  # id/type/name only once
+            entry["arguments"] += d.function.arguments or ""
+    return content, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize("text,content,expected", RECORDED)
+def test_streamed_tool_calls_match_final_parse_for_every_chunking(text, content, expected):
+    assert parse_tool_calls(text) == (content, [type(parse_tool_calls(text)[1][0])(n, a) for n, a in expected])
+    for size in range(1, len(text) + 1):
+        streamed_content, calls = stream_parse(text, size)
+        assert (streamed_content or None) == content, size
+        if text.endswith("argu"):  # the cut-off call's header is streamed but has no arguments
+            calls = calls[:1]
+        assert [(c["name"], c["arguments"]) for c in calls] == expected, size
+        assert all(c["ids"] == 1 for c in calls)
+
+
+@pytest.mark.parametrize("text", PLAIN)
+def test_plain_text_streams_unchanged(text):
+    content, calls = parse_tool_calls(text)
+    assert content == text and calls == []
+    if "<tool_call>" not in text:
+        for size in range(1, len(text) + 1):
+            assert stream_parse(text, size) == (text, [])
+
+
+def test_parallel_false_keeps_the_first_call():
+    text = RECORDED[1][0]
+    assert [c.name for c in parse_tool_calls(text, parallel=False)[1]] == ["a"]
+    assert [c["name"] for c in stream_parse(text, 7, parallel=False)[1]] == ["a"]
+
+
+# --- stop strings and detokenization -------------------------------------------------------------
+
+
+class CharTokenizer:
+    """Token id = Unicode code point; a toy chat template."""
+
+    chat_template = ""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in messages)
+        return text + ("<assistant>" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class ByteTokenizer(CharTokenizer):
+    """Token id = one UTF-8 byte, so characters can span tokens."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_stop_strings_hold_back_and_cut():
+    acc = TextAccumulator(CharTokenizer(), ["STOP", "\n\n"])
+    acc.add([ord(c) for c in "Hello ST"])
+    assert acc.visible() == "Hello " and not acc.stopped
+    acc.add([ord(c) for c in "OP and more"])
+    assert acc.stopped and acc.text == "Hello " and acc.num_tokens == len("Hello STOP")
+    acc = TextAccumulator(CharTokenizer(), ["STOP"])
+    acc.add([ord(c) for c in "no stop ST"])
+    acc.finish()
+    assert acc.visible(final=True) == "no stop ST" and not acc.stopped
+
+
+def test_incremental_detokenization_waits_for_whole_characters():
+    text = "naïve café ☕ done"
+    acc = TextAccumulator(ByteTokenizer())
+    seen = []
+    for b in text.encode():
+        acc.add([b])
+        seen.append(acc.text)
+    acc.finish()
+    assert acc.text == text
+    assert all("\ufffd" not in s for s in seen)
+
+
+# --- settings ------------------------------------------------------------------------------------
+
+
+def test_cli_flags_override_environment(monkeypatch):
+    import argparse
+
+    from app.serve_cli import add_parser, settings_from_args
+
+    monkeypatch.setenv("WHIFLASH_PORT", "9000")
+    monkeypatch.setenv("WHIFLASH_MAX_QUEUE", "3")
+    monkeypatch.setenv("WHIFLASH_CORS_ORIGINS", "http://a.example,http://b.example")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    s = settings_from_args(parser.parse_args(["serve", "--port", "9100", "--api-key", "k"]))
+    assert (s.port, s.max_queue, s.api_key) == (9100, 3, "k")
+    assert s.cors_origins == ["http://a.example", "http://b.example"]
+
+
+# --- the app around a fake engine ----------------------------------------------------------------
+
+
+class ReplayGeneration:
+    """Emits `engine.reply` `engine.chunk` tokens per round; enough of Generation for the scheduler."""
+
+    def __init__(self, engine: FakeEngine, request):
+        if request.speculation.method not in engine.methods:
+            raise ValueError(f"speculation method {request.speculation.method!r} is not available")
+        self.engine, self.request, self.spec = engine, request, request.speculation
+        self.prompt_len = len(request.prompt_ids)
+        self.script = [ord(c) for c in engine.reply]
+        self.output, self.sources, self.decisions, self.entropies = [], [], [], []
+        self.active = ["dflash"]
+        self.per_drafter = {"dflash": {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0}}
+        self.rounds = self.switches = 0
+        self.finished, self.finish_reason = False, None
+
+    def _emit(self, n: int) -> None:
+        take = self.script[len(self.output):len(self.output) + n][: self.request.max_new_tokens - len(self.output)]
+        self.output += take
+        self.sources += ["dflash"] * (len(take) - 1) + ["target"]
+        if len(self.output) == len(self.script):
+            self.finished, self.finish_reason = True, "stop"
+        elif len(self.output) >= self.request.max_new_tokens:
+            self.finished, self.finish_reason = True, "length"
+
+    def prefill(self):
+        self._emit(1)
+
+    def step(self):
+        time.sleep(self.engine.delay)
+        if self.rounds + 1 == self.engine.fail_at_round:
+            raise RuntimeError("boom")
+        self.rounds += 1
+        d = self.per_drafter["dflash"]
+        d["rounds"] += 1
+        d["draft_tokens"] += self.engine.chunk
+        d["accepted_tokens"] += self.engine.chunk - 1
+        self.decisions.append(("dflash", self.engine.chunk - 1))
+        self._emit(self.engine.chunk)
+        return []
+
+    def cancel(self):
+        if not self.finished:
+            self.finished, self.finish_reason = True, "cancelled"
+
+    def stats(self, trace=None):
+        return {"method": self.spec.method, "rounds": self.rounds, "drafters": dict(self.per_drafter)}
+
+    def timing(self):
+        return {}
+
+
+class FakeEngine:
+    model_name = "fake-model"
+    max_context = 4096
+    eos_ids = [0]
+    methods = ["none", "dflash"]
+
+    def __init__(self, reply: str, chunk: int = 3, delay: float = 0.0, fail_at_round: int | None = None):
+        self.reply, self.chunk, self.delay, self.fail_at_round = reply, chunk, delay, fail_at_round
+        self.tokenizer = CharTokenizer()
+
+    def start(self, request):
+        return ReplayGeneration(self, request)
+
+
+TOOL_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+              '"unit": "celsius"}}\n</tool_call>')
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+HI = [{"role": "user", "content": "hi"}]
+
+
+def in_process(engine, **settings):
+    app = create_app(engine, Settings(**settings))
+    return app, TestClient(app)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5, 8, 13, 40])
+def test_multi_token_rounds_stream_tool_calls_correctly(chunk):
+    app, tc = in_process(FakeEngine(TOOL_REPLY, chunk=chunk))
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        r = client.chat.completions.create(model="m", messages=HI, tools=TOOLS)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].message.content == "Let me check." and r.choices[0].finish_reason == "tool_calls"
+        with client.chat.completions.stream(model="m", messages=HI, tools=TOOLS) as stream:
+            final = stream.get_final_completion()
+        msg = final.choices[0].message
+        assert msg.content == "Let me check." and msg.role == "assistant"
+        (streamed,) = msg.tool_calls
+        assert streamed.function.name == "get_weather"  # not "get_weatherget_weather"
+        assert streamed.function.arguments == call.function.arguments
+        assert json.loads(streamed.function.arguments) == {"city": "Paris", "unit": "celsius"}
+        assert final.choices[0].finish_reason == "tool_calls"
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 7])
+def test_stop_string_across_multi_token_rounds(chunk):
+    app, tc = in_process(FakeEngine("Hello there STOP and the rest", chunk=chunk))
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        r = client.chat.completions.create(model="m", messages=HI, stop=["STOP"])
+        assert r.choices[0].message.content == "Hello there " and r.choices[0].finish_reason == "stop"
+        chunks = list(client.chat.completions.create(model="m", messages=HI, stop=["STOP"], stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there "
+
+
+def test_api_key_and_cors():
+    app, tc = in_process(FakeEngine("ok"), api_key="secret", cors_origins=["http://ui.example"])
+    with tc:
+        bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=tc, max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as info:
+            bad.chat.completions.create(model="m", messages=HI)
+        body = info.value.response.json()
+        assert info.value.status_code == 401 and body["error"]["code"] == "invalid_api_key"
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+        assert tc.post("/v1/chat/completions", json={"messages": HI}).status_code == 401
+        assert tc.get("/v1/models").status_code == 401
+        assert tc.get("/health").status_code == 200  # probes need no key
+        good = openai.OpenAI(base_url="http://testserver/v1", api_key="secret", http_client=tc, max_retries=0)
+        assert good.chat.completions.create(model="m", messages=HI).choices[0].message.content == "ok"
+        pre = tc.options("/v1/chat/completions", headers={"Origin": "http://ui.example",
+                                                          "Access-Control-Request-Method": "POST",
+                                                          "Access-Control-Request-Headers": "authorization"})
+        assert pre.headers["access-control-allow-origin"] == "http://ui.example"
+
+
+def test_unavailable_method_and_context_length():
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="m", messages=HI, extra_body={"speculation": {"method": "eagle3"}})
+        assert info.value.response.json()["error"]["param"] == "speculation.method"
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 5000}])
+        assert info.value.response.json()["error"]["code"] == "context_length_exceeded"
+        r = client.chat.completions.create(model="m", messages=HI)
+        assert r.model_extra["speculation"]["method"] == "dflash"  # the default: best available
+
+
+def test_full_server_answers_429_then_recovers():
+    app, tc = in_process(FakeEngine("x" * 30, chunk=1, delay=0.03), max_active=1, max_queue=0)
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        first: dict = {}
+        worker = threading.Thread(target=lambda: first.setdefault(
+            "r", client.chat.completions.create(model="m", messages=HI)))
+        worker.start()
+        deadline = time.monotonic() + 5
+        while app.state.scheduler.num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as info:
+            client.chat.completions.create(model="m", messages=HI)
+        assert info.value.response.headers["retry-after"] == "1"
+        assert info.value.response.json()["error"]["code"] == "rate_limit_exceeded"
+        worker.join(10)
+        assert first["r"].choices[0].message.content == "x" * 30
+        assert client.chat.completions.create(model="m", messages=HI).choices[0].finish_reason == "stop"
+
+
+def test_events_are_published_per_request():
+    app = create_app(FakeEngine("hello world", chunk=4), Settings())
+
+    async def main():
+        app.state.scheduler.start()
+        try:
+            sub = app.state.events.subscribe()
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
+                client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
+                await client.chat.completions.create(model="m", messages=HI)
+            events = []
+            while not events or events[-1]["type"] != "request_finished":
+                events.append(await asyncio.wait_for(sub.get(), 5))
+            sub.close()
+            return events
+        finally:
+            app.state.scheduler.stop()
+
+    events = asyncio.run(main())
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "request_started" and kinds[-1] == "request_finished"
+    assert {"round", "tokens"} <= set(kinds)
+    assert events[0]["method"] == "dflash" and "alpha" in events[0]
+    text = "".join(t["text"] for e in events if e["type"] == "tokens" for t in e["tokens"])
+    assert text == "hello world"
+    assert events[-1]["stats"]["rounds"] >= 1
+
+
+def test_failures_mid_generation_are_reported_and_isolated():
+    app, tc = in_process(FakeEngine("some text that fails halfway", chunk=2, fail_at_round=3))
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model="m", messages=HI)
+        assert info.value.response.headers["x-should-retry"] == "false"
+        assert set(info.value.response.json()["error"]) == {"message", "type", "param", "code"}
+        # in a stream: the tokens so far, then an error event, then [DONE]
+        with tc.stream("POST", "/v1/chat/completions", json={"messages": HI, "stream": True}) as r:
+            assert r.status_code == 200
+            events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+        assert json.loads(events[1])["choices"][0]["delta"]["content"]
+        with pytest.raises(openai.APIError):
+            list(client.chat.completions.create(model="m", messages=HI, stream=True))
+        # the next request is unaffected
+        app.state.serving.engine.fail_at_round = None
+        r = client.chat.completions.create(model="m", messages=HI)
+        assert r.choices[0].message.content == "some text that fails halfway"
+
+
+def test_request_timeout():
+    app, tc = in_process(FakeEngine("x" * 50, chunk=1, delay=0.02), request_timeout=0.2)
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(model="m", messages=HI)
+        assert info.value.status_code == 504
+        assert info.value.response.json()["error"]["code"] == "request_timeout"
