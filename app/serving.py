@@ -219,8 +219,14 @@ class ChatServing:
         body = ChatCompletionResponse(
             id=p.id, created=p.created, model=self.model_name,
             choices=[Choice(message=message, finish_reason=reason)],
-            usage=self._usage(finished, acc), speculation=finished.stats)
+            usage=self._usage(finished, acc), speculation=self._stats(finished))
         return JSONResponse(body.model_dump(mode="json"))
+
+    @staticmethod
+    def _stats(finished: Finished) -> dict:
+        """The engine's per-request stats plus its timing (prefill, draft, verify, ... seconds), so
+        `whiflash bench --url` can separate decode speed from gateway overhead."""
+        return {**finished.stats, "timing": finished.timing}
 
     @staticmethod
     def _usage(finished: Finished, acc: TextAccumulator) -> Usage:
@@ -288,7 +294,7 @@ class ChatServing:
             if d is not None:
                 yield self._chunk(p, d)
             reason = self._finish_reason(finished, acc, bool(tools and tools.calls), p.parse_tools)
-            stats = finished.stats
+            stats = self._stats(finished)
             yield self._chunk(p, DeltaMessage(), reason, speculation=None if p.include_usage else stats)
             if p.include_usage:
                 yield self._chunk(p, None, usage=self._usage(finished, acc), speculation=stats)

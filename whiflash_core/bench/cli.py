@@ -17,6 +17,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import re
 import shlex
 import sys
 
@@ -25,6 +26,7 @@ from .workload import categories_in_order, load_workload
 
 ENGINE_METHODS = ("none", "eagle3", "dflash", "whiflash")
 STRICT_DTYPES = ("float32", "fp32", "float64")
+INT_LIST = re.compile(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]")
 
 
 def add_parser(sub) -> None:
@@ -53,6 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint directory")
     p.add_argument("--dflash", default=None, help="DFlash checkpoint directory")
+    p.add_argument("--weights", default="dense", choices=["dense", "int4"],
+                   help="target weights: int4 runs the GGUF's Q4_1 blocks (bfloat16 only); peers stay dense")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
                    help="without --workload: render results JSON FILE as Markdown and exit; "
@@ -98,7 +102,8 @@ def build_inprocess(args, methods, prompts, notes):
     from ..sampling import SamplingParams
     from .runners import EngineRunner, HFGenerateRunner, LlamaCppRunner, llama_cpp_available
 
-    engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads)
+    engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
+                         **({"weights": args.weights} if args.weights != "dense" else {}))
     missing = [m for m in methods if m not in engine.methods]
     if missing:
         raise SystemExit(f"method(s) {missing} need drafters that are not loaded; available: {engine.methods}")
@@ -147,8 +152,15 @@ def _gguf_path(model: str | None) -> str | None:
 
 
 def build_http(args, methods):
+    import urllib.error
+    import urllib.request
+
     from .runners import HttpRunner, server_model
 
+    try:
+        urllib.request.urlopen(args.url.rstrip("/") + "/health", timeout=10).close()
+    except (urllib.error.URLError, OSError) as exc:
+        raise SystemExit(f"whiflash bench: no gateway at {args.url} ({exc})") from exc
     model = args.model or server_model(args.url)
     spec = {"alpha": args.alpha}
     if args.num_draft_tokens:
@@ -184,10 +196,12 @@ def measure(runners, prompts, max_tokens: int, repeats: int, warmup: bool) -> li
         record = PromptRecord(prompt.id, prompt.category, n_prompt, runs)
         for mm in mismatches([record], [r.name for r in runners if r.name in ENGINE_METHODS]):
             bar.write(f"!! MISMATCH: prompt {mm.prompt} ({mm.category}) {mm.method} differs from none at "
-                      f"{mm.unit[:-1]} {mm.first_diff} ({mm.length} vs {mm.baseline_length} {mm.unit})")
+                      f"{mm.unit[:-1]} {mm.first_diff} ({mm.length} vs {mm.baseline_length} {mm.unit})",
+                      file=sys.stderr)
         for name, run_ in runs.items():
             if not run_.extra.get("repeats_identical", True):
-                bar.write(f"!! NONDETERMINISM: prompt {prompt.id} {name} produced different outputs across repeats")
+                bar.write(f"!! NONDETERMINISM: prompt {prompt.id} {name} produced different outputs across repeats",
+                          file=sys.stderr)
         records.append(record)
     bar.close()
     return records
@@ -219,6 +233,10 @@ def build_results(args, methods, names, prompts, records, notes) -> dict:
     }
     if BASELINE not in names:
         notes.append("`none` was not run: no ratios and no losslessness check")
+    if args.url and all(r.decode_s is None for rec in records for r in rec.runs.values()):
+        notes.append("the server reports no per-request timing (`speculation.timing`): decode tokens/s and "
+                     "gateway overhead are unavailable over HTTP; compare end-to-end tokens/s with an "
+                     "in-process run of the same workload for the gateway's cost")
     if args.temperature > 0:
         notes.append(f"temperature {args.temperature}: sampled outputs are not expected to match token for token")
     workload = os.path.splitext(os.path.basename(args.workload))[0]
@@ -232,8 +250,9 @@ def build_results(args, methods, names, prompts, records, notes) -> dict:
             "workload": args.workload, "workload_name": workload, "categories": categories,
             "prompts": len(prompts), "limit": args.limit, "methods": names, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "temperature": args.temperature, "seed": args.seed, "alpha": args.alpha,
-            "num_draft_tokens": args.num_draft_tokens, "block_size": args.block_size,
-            "mode": f"http {args.url}" if args.url else "in-process", "model": args.model or "embedded SmolLM2-135M-Instruct",
+            "num_draft_tokens": args.num_draft_tokens, "block_size": args.block_size, "weights": args.weights,
+            "mode": f"http {args.url}" if args.url else "in-process",
+            "model": args.model or "embedded SmolLM2-135M-Instruct",
             "drafters": drafters_description(args), "out": args.out,
         },
         "summary": [s.as_dict() for s in summary],
@@ -242,6 +261,22 @@ def build_results(args, methods, names, prompts, records, notes) -> dict:
                      "runs": {m: run_.as_dict() for m, run_ in r.runs.items()}} for r in records],
         "notes": notes,
     }
+
+
+def _rounded(obj, digits: int = 6):
+    if isinstance(obj, float):
+        return round(obj, digits)
+    if isinstance(obj, dict):
+        return {k: _rounded(v, digits) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_rounded(v, digits) for v in obj]
+    return obj
+
+
+def dump_json(results: dict) -> str:
+    """Indented JSON, floats to 6 decimals (microseconds), token-id lists on one line each."""
+    text = json.dumps(_rounded(results), indent=1)
+    return INT_LIST.sub(lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -281,8 +316,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-            f.write("\n")
+            f.write(dump_json(results) + "\n")
     if args.plot:
         plot(results, args.plot)
     print(render_text(results))

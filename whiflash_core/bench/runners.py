@@ -140,12 +140,15 @@ class HttpRunner:
         spec = resp.get("speculation") or {}
         timing = spec.get("timing") or resp.get("timing") or {}
         tokens = [t["id"] for t in spec["tokens"]] if spec.get("tokens") else None
-        n = (resp.get("usage") or {}).get("completion_tokens")
+        usage = resp.get("usage") or {}
+        n = usage.get("completion_tokens")
         n = n if n is not None else (len(tokens) if tokens is not None else 0)
         decode_s = None
         if timing.get("total_s") is not None and timing.get("prefill") is not None:
             decode_s = max(0.0, timing["total_s"] - timing["prefill"])
-        extra = {"gateway_overhead_s": wall - timing["total_s"]} if timing.get("total_s") is not None else {}
+        extra = {"prompt_tokens": usage.get("prompt_tokens")}
+        if timing.get("total_s") is not None:
+            extra["gateway_overhead_s"] = wall - timing["total_s"]
         return RunResult(
             method=self.name, n_tokens=n, e2e_s=wall, decode_s=decode_s, tokens=tokens,
             text=message_text(choice.get("message") or {}), rounds=spec.get("rounds"),
@@ -254,4 +257,4 @@ class LlamaCppRunner:
         t2 = time.perf_counter()
         return RunResult(method=self.name, n_tokens=len(tokens), e2e_s=t2 - t0,
                          decode_s=(t2 - first) if first is not None else None, tokens=tokens,
-                         rounds=max(0, len(tokens) - 1), finish_reason=reason)
+                         rounds=max(0, len(tokens) - (reason != "stop")), finish_reason=reason)

@@ -6,8 +6,9 @@ Conventions (shared by every table, chart and JSON file):
   prefill forward, so decode speed excludes it and the prefill time.
 - end-to-end tokens/s = tokens / (request start .. last token), prefill included.
 - A category's tokens/s is total tokens over total time (long answers weigh more), as in Spec-Bench.
-- acceptance length = tokens emitted by speculation rounds / target forwards in those rounds
-  (the prefill forward and its token are excluded), 1.0 for plain decoding.
+- acceptance length = tokens produced by speculation rounds / target forwards in those rounds
+  (the prefill forward and its token are excluded; a stop token a round produced counts), so
+  plain decoding is exactly 1.0. The engine's own `stats()` leaves the stop token out.
 - Ratios compare with the `none` method of the same run and category.
 - Agreement with `none`: a prompt is identical when the token sequences are equal; the prefix
   fraction is the common prefix length over the longer sequence.
@@ -40,11 +41,22 @@ class RunResult:
     def decode_tokens(self) -> int:
         return max(0, self.n_tokens - 1)
 
+    @property
+    def round_tokens(self) -> int:
+        """Tokens the speculation rounds produced: the decode tokens plus a stop token a round
+        emitted (the output excludes it), so plain decoding is exactly 1 token per forward."""
+        stopped = self.finish_reason == "stop" and bool(self.rounds)
+        return self.decode_tokens + int(stopped)
+
     def as_dict(self, with_tokens: bool = True) -> dict:
         out = asdict(self)
         if not with_tokens:
             out.pop("tokens")
         return out
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def collapse_repeats(runs: list[RunResult]) -> RunResult:
@@ -66,8 +78,7 @@ def collapse_repeats(runs: list[RunResult]) -> RunResult:
         tokens=first.tokens, text=first.text, rounds=first.rounds,
         times={k: med([r.times.get(k) for r in runs]) for k in sorted(keys)},
         switches=first.switches, finish_reason=first.finish_reason,
-        extra={**{k: med([r.extra.get(k) for r in runs]) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
-                  for k, v in first.extra.items()},
+        extra={**{k: med([r.extra.get(k) for r in runs]) if _is_number(v) else v for k, v in first.extra.items()},
                "repeats": len(runs), "repeats_identical": same},
     )
 
@@ -148,7 +159,7 @@ def summarize_group(category: str, method: str, records: list[PromptRecord],
                 decode_tokens / decode_s if decode_s else None, tokens / e2e if e2e else 0.0)
     if all(r.rounds is not None for r in runs):
         rounds = sum(r.rounds for r in runs)
-        s.acceptance_length = decode_tokens / rounds if rounds else None
+        s.acceptance_length = sum(r.round_tokens for r in runs) / rounds if rounds else None
         if rounds and any(r.times for r in runs):
             s.ms_per_round = {k: 1000.0 * sum(r.times.get(k) or 0.0 for r in runs) / rounds for k in ROUND_PARTS}
     s.switches_per_prompt = sum(r.switches for r in runs) / len(runs)
