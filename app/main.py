@@ -4,6 +4,7 @@
     GET  /v1/models
     GET  /health                unauthenticated, cheap
     GET  /metrics               Prometheus text, unauthenticated
+    GET  /, /chat, /stats       browser pages, and the stats event stream (see app/stats.py)
 
 `create_app(engine, settings)` builds everything per app (scheduler thread, metrics registry,
 event bus), so tests can run several apps in one process.
@@ -27,6 +28,7 @@ from .scheduler import Scheduler
 from .schemas import ChatCompletionRequest, ModelCard, ModelList
 from .serving import ChatServing
 from .settings import Settings
+from .stats import StatsHub, install as install_stats
 
 
 def _auth_dependency(api_key: str | None):
@@ -47,19 +49,23 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     scheduler = Scheduler(engine, metrics, events, max_active=settings.max_active, max_queue=settings.max_queue,
                           request_timeout=settings.request_timeout)
     serving = ChatServing(engine, scheduler, settings, model_name)
+    stats = StatsHub(events)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         scheduler.start()
+        stats.start()
         try:
             yield
         finally:
+            await stats.stop()
             scheduler.stop()
 
     app = FastAPI(title="WhiFlash Gateway", version="0.1.0", lifespan=lifespan)
     # handles for later features (e.g. a /stats page subscribing to `events`)
     app.state.engine, app.state.settings, app.state.scheduler = engine, settings, scheduler
     app.state.events, app.state.metrics, app.state.serving = events, metrics, serving
+    app.state.stats = stats
     install_error_handlers(app)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
@@ -94,4 +100,5 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     app.include_router(api)
+    install_stats(app, stats, settings, _auth_dependency(settings.api_key), engine.methods, serving.default_method)
     return app

@@ -1,0 +1,340 @@
+"""The live stats page and the chat page: static files plus the provenance event stream behind them.
+
+    GET /                        redirects to /chat
+    GET /chat                    chat page (streams /v1/chat/completions with trace on)
+    GET /stats                   live stats page
+    GET /static/...              the pages' CSS and JavaScript
+    GET /v1/stats/events         SSE: one `snapshot`, then every engine event as it happens
+    GET /v1/stats/snapshot       the same snapshot as plain JSON (scripts, tests)
+    GET /v1/speculation/methods  what the chat page may offer: loaded methods, defaults
+
+`StatsHub` is the one subscriber of the app's EventBus. It keeps the events of the active and the
+most recent requests, plus aggregates since start, and fans every event out to the connected
+pages. A page connecting mid-stream first gets a snapshot (the retained events, replayed by the
+page through the same code path as live ones), then the live events; both are handed out on the
+event loop without an `await` in between, so nothing is lost or shown twice.
+
+The stream's events (JSON in `data:` lines, each with a "type"):
+    snapshot   {events: [...retained EventBus events, oldest first], aggregate, samples: [...]}
+    aggregate  {aggregate, sample}   every second (sample: tokens/s and acceptance length over the
+               last 3 s), and with sample null whenever a request starts or finishes
+    request_started, round, tokens, request_finished: the EventBus events as published (app/events.py)
+
+Access: the stream carries generated text, so it is served only to clients allowed by the API's
+key. EventSource cannot set headers, so the key is also accepted as `?key=` or as the
+`whiflash_key` cookie the pages set once the user enters it. With no key configured, only loopback
+clients that address the server by a loopback name are served (the Host check stops a DNS-rebinding
+page from reading it). Cross-origin access follows the app's CORS settings (off by default).
+"""
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import secrets
+import time
+from collections import OrderedDict, deque
+from pathlib import Path
+from typing import Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.staticfiles import StaticFiles
+from sse_starlette import EventSourceResponse
+
+from .errors import APIError
+from .events import EventBus, Subscription
+from .settings import Settings
+
+log = logging.getLogger(__name__)
+
+STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
+KEY_COOKIE = "whiflash_key"
+KEEP_FINISHED = 20          # finished requests kept for the snapshot
+SAMPLE_SECONDS = 1.0        # chart sample period
+SAMPLE_WINDOW = 3.0         # tokens/s and acceptance length are averaged over this many seconds
+KEEP_SAMPLES = 300          # five minutes of chart
+CLIENT_QUEUE = 5_000        # events buffered per page before it is resynchronised with a snapshot
+LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
+
+
+# --- recording ------------------------------------------------------------------------------------
+
+
+class Aggregates:
+    """Totals since start, updated from events (not from final stats) so they move while requests run."""
+
+    def __init__(self):
+        self.started = time.time()
+        self.requests = 0
+        self.finished = 0
+        self._active: set[str] = set()          # started, not yet finished
+        self.tokens = 0
+        self.tokens_by_source: dict[str, int] = {}
+        self.rounds = 0
+        self.round_tokens = 0            # accepted + 1 per round: tokens decided per target forward
+        self.switches = 0
+        self.drafters: dict[str, dict[str, int]] = {}
+        self._last_drafter: dict[str, str] = {}   # per active request, for switch counting
+        self._recent: deque[tuple[float, int, int, int]] = deque()  # (time, tokens, rounds, round_tokens)
+
+    def apply(self, event: dict) -> None:
+        kind, rid, now = event["type"], event.get("id"), event["time"]
+        if kind == "request_started":
+            self.requests += 1
+            self._active.add(rid)
+        elif kind == "round":
+            accepted = event.get("accepted") or 0
+            self.rounds += 1
+            self.round_tokens += accepted + 1
+            drafter = event.get("drafter")
+            if drafter:
+                d = self.drafters.setdefault(drafter, {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0})
+                d["rounds"] += 1
+                d["draft_tokens"] += event.get("draft_tokens") or 0
+                d["accepted_tokens"] += accepted
+                # the engine's definition: a round whose drafter differs from the previous one's
+                previous = self._last_drafter.get(rid)
+                if previous is not None and previous != drafter:
+                    self.switches += 1
+                self._last_drafter[rid] = drafter
+            self._recent.append((now, 0, 1, accepted + 1))
+        elif kind == "tokens":
+            tokens = event.get("tokens") or []
+            self.tokens += len(tokens)
+            for t in tokens:
+                self.tokens_by_source[t["source"]] = self.tokens_by_source.get(t["source"], 0) + 1
+            self._recent.append((now, len(tokens), 0, 0))
+        elif kind == "request_finished" and rid in self._active:
+            # (a request that timed out in the queue finishes without having started: not counted)
+            self._active.discard(rid)
+            self.finished += 1
+            self._last_drafter.pop(rid, None)
+
+    def sample(self, now: float) -> dict:
+        """Throughput and acceptance length over the last SAMPLE_WINDOW seconds."""
+        while self._recent and self._recent[0][0] < now - SAMPLE_WINDOW:
+            self._recent.popleft()
+        window = min(SAMPLE_WINDOW, max(now - self.started, 1e-6))
+        tokens = sum(r[1] for r in self._recent)
+        rounds = sum(r[2] for r in self._recent)
+        round_tokens = sum(r[3] for r in self._recent)
+        return {"time": now, "tokens_per_s": round(tokens / window, 3),
+                "acceptance_length": round(round_tokens / rounds, 4) if rounds else None}
+
+    def as_dict(self) -> dict:
+        return {"since": self.started, "requests": self.requests, "finished": self.finished,
+                "active": len(self._active), "tokens": self.tokens,
+                "tokens_by_source": dict(self.tokens_by_source), "rounds": self.rounds,
+                "acceptance_length": round(self.round_tokens / self.rounds, 4) if self.rounds else None,
+                "switches": self.switches,
+                "switches_per_100_tokens": round(100 * self.switches / self.tokens, 3) if self.tokens else None,
+                "drafters": {name: {**d, "acceptance_length": round(1 + d["accepted_tokens"] / d["rounds"], 4)}
+                             for name, d in self.drafters.items() if d["rounds"]}}
+
+
+class _Client:
+    def __init__(self):
+        self.queue: asyncio.Queue[dict | None] = asyncio.Queue()   # None: end of stream
+
+
+class StatsHub:
+    """Records the event feed and fans it out to the stats pages. Lives on the app's event loop."""
+
+    def __init__(self, events: EventBus, keep_finished: int = KEEP_FINISHED):
+        self.events = events
+        self.keep_finished = keep_finished
+        self.requests: OrderedDict[str, list[dict]] = OrderedDict()   # id -> its events, oldest first
+        self.finished: deque[str] = deque()
+        self.aggregates = Aggregates()
+        self.samples: deque[dict] = deque(maxlen=KEEP_SAMPLES)
+        self._clients: set[_Client] = set()
+        self._sub: Subscription | None = None
+        self._tasks: list[asyncio.Task] = []
+
+    # lifecycle: called from the app's lifespan, on its loop
+
+    def start(self) -> None:
+        if self._sub is None:
+            self._sub = self.events.subscribe()
+            self._tasks = [asyncio.create_task(self._pump(), name="stats-pump"),
+                           asyncio.create_task(self._tick(), name="stats-tick")]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        if self._sub is not None:
+            self._sub.close()
+            self._sub = None
+
+    async def _pump(self) -> None:
+        async for event in self._sub:
+            try:
+                self.record(event)
+            except Exception:  # a malformed event must not stop the feed
+                log.exception("stats: could not record %r", event.get("type"))
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(SAMPLE_SECONDS)
+            sample = self.aggregates.sample(time.time())
+            self.samples.append(sample)
+            self._broadcast({"type": "aggregate", "aggregate": self.aggregates.as_dict(), "sample": sample})
+
+    # recording
+
+    def record(self, event: dict) -> None:
+        rid = event.get("id")
+        if rid is not None:
+            if event["type"] == "request_started" or rid in self.requests:
+                self.requests.setdefault(rid, []).append(event)
+            if event["type"] == "request_finished" and rid in self.requests:
+                self.finished.append(rid)
+                while len(self.finished) > self.keep_finished:
+                    self.requests.pop(self.finished.popleft(), None)
+        self.aggregates.apply(event)
+        self._broadcast(event)
+        if event["type"] in ("request_started", "request_finished"):
+            # request counts change now; don't leave the page's totals a tick behind
+            self._broadcast({"type": "aggregate", "aggregate": self.aggregates.as_dict(), "sample": None})
+
+    def snapshot(self) -> dict:
+        return {"type": "snapshot", "time": time.time(),
+                "events": [e for events in self.requests.values() for e in events],
+                "aggregate": self.aggregates.as_dict(), "samples": list(self.samples)}
+
+    # fan-out
+
+    def connect(self) -> _Client:
+        """A new page: its queue starts with the snapshot, then receives every later event."""
+        client = _Client()
+        client.queue.put_nowait(self.snapshot())
+        self._clients.add(client)
+        return client
+
+    def disconnect(self, client: _Client) -> None:
+        self._clients.discard(client)
+
+    def _broadcast(self, event: dict) -> None:
+        for client in self._clients:
+            if client.queue.qsize() >= CLIENT_QUEUE:
+                # too slow to keep up: drop its backlog and start it over from a fresh snapshot
+                while not client.queue.empty():
+                    client.queue.get_nowait()
+                client.queue.put_nowait(self.snapshot())
+            else:
+                client.queue.put_nowait(event)
+
+    async def stream(self, shutdown: anyio.Event | None = None):
+        """The page's SSE events. Connecting here (not in the endpoint) ties the client's lifetime
+        to the generator's: sse-starlette closes it when the page goes away. When the server shuts
+        down (`shutdown` set by sse-starlette) the stream ends cleanly instead of being cancelled."""
+        client = self.connect()
+
+        async def end_on_shutdown():
+            await shutdown.wait()
+            client.queue.put_nowait(None)
+
+        watcher = asyncio.create_task(end_on_shutdown()) if shutdown is not None else None
+        try:
+            while True:
+                event = await client.queue.get()
+                if event is None:
+                    return
+                yield {"data": json.dumps(event, default=str, separators=(",", ":"))}
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            self.disconnect(client)
+
+
+# --- access -----------------------------------------------------------------------------------------
+
+
+def _is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _host_name(request: Request) -> str:
+    host = request.headers.get("host", "")
+    if host.startswith("["):  # [::1]:8000
+        return host[: host.find("]") + 1]
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def stats_access(settings: Settings):
+    """Dependency: may this client read the provenance stream (which carries generated text)?"""
+    api_key = settings.api_key
+
+    async def check(request: Request) -> None:
+        if api_key is None:
+            client = request.client.host if request.client else None
+            if _is_loopback(client) and _host_name(request).lower() in LOOPBACK_HOSTS:
+                return
+            raise APIError("The stats stream is served to loopback clients only when the server has no API key.",
+                           403, "permission_error", None, "loopback_only")
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        offered = [request.query_params.get("key"), request.cookies.get(KEY_COOKIE),
+                   bearer.strip() if scheme.lower() == "bearer" else None]
+        if any(k and secrets.compare_digest(k.encode(), api_key.encode()) for k in offered):
+            return
+        raise APIError("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
+    return check
+
+
+# --- routes -------------------------------------------------------------------------------------------
+
+
+def _page(name: str) -> FileResponse:
+    # no-cache: the pages are tiny and change with the server; a stale copy would confuse
+    return FileResponse(STATIC_DIR / name, media_type="text/html", headers={"Cache-Control": "no-cache"})
+
+
+def install(app: FastAPI, hub: StatsHub, settings: Settings, api_auth, methods, default_method) -> None:
+    """Add the pages and the stats routes. `api_auth` is the API's own key check (a dependency)."""
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    pages = APIRouter(include_in_schema=False)
+
+    @pages.get("/")
+    async def root():
+        return RedirectResponse("/chat")
+
+    @pages.get("/chat")
+    async def chat_page():
+        return _page("chat.html")
+
+    @pages.get("/stats")
+    async def stats_page():
+        return _page("stats.html")
+
+    guarded = APIRouter(dependencies=[Depends(stats_access(settings))])
+
+    @guarded.get("/v1/stats/events")
+    async def stats_events():
+        shutdown = anyio.Event()
+        return EventSourceResponse(hub.stream(shutdown), sep="\n", ping=15, shutdown_event=shutdown,
+                                   shutdown_grace_period=1.0,
+                                   headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @guarded.get("/v1/stats/snapshot")
+    async def stats_snapshot():
+        return JSONResponse(json.loads(json.dumps(hub.snapshot(), default=str)))
+
+    api = APIRouter(dependencies=[Depends(api_auth)])
+
+    @api.get("/v1/speculation/methods")
+    async def speculation_methods() -> dict[str, Any]:
+        return {"methods": list(methods), "default": default_method(), "alpha": settings.speculation_alpha}
+
+    app.include_router(pages)
+    app.include_router(guarded)
+    app.include_router(api)

@@ -1,0 +1,452 @@
+"""The live stats page (/stats), the chat page (/chat) and the provenance event stream behind them.
+
+Two halves:
+  * the event stream's access rules and snapshot, against the app around a fake engine served by
+    uvicorn in a thread (fast, no model);
+  * the pages in a real headless Chromium (Debian's `chromium`, driven by Playwright) against the
+    live `whiflash serve` subprocess: token elements must match the request's returned trace.
+    Without Chromium these skip; install it with `apt-get install chromium`.
+
+Screenshots go to tests/artifacts/ (git-ignored); the mid-stream one is also copied to
+docs/stats-page.png for the README.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from fastapi.testclient import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+
+pytestmark = pytest.mark.timeout(420)
+
+REPO = Path(__file__).resolve().parents[1]
+ARTIFACTS = REPO / "tests" / "artifacts"
+MODEL = "SmolLM2-135M-Instruct"
+CHROMIUM = os.environ.get("WHIFLASH_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run"]
+
+
+# --- a fake engine: replays a reply, several tokens per round, with a made-up drafter name --------
+
+
+class CharTokenizer:
+    """Token id = Unicode code point; a toy chat template."""
+
+    chat_template = ""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, **_):
+        return "".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+class ReplayGeneration:
+    """Each round emits `chunk` tokens: chunk-1 accepted from that round's drafter and one from the
+    target. Drafters take turns (eagle3, dflash, then "medusa": a source the pages have no fixed
+    colour for), so every round is a switch."""
+
+    DRAFTERS = ["eagle3", "dflash", "medusa"]
+
+    def __init__(self, engine, request):
+        self.engine, self.request, self.spec = engine, request, request.speculation
+        self.prompt_len = len(request.prompt_ids)
+        self.script = [ord(c) for c in engine.reply]
+        self.output, self.sources, self.decisions, self.entropies = [], [], [], []
+        self.active = list(self.DRAFTERS)
+        self.per_drafter = {n: {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0} for n in self.DRAFTERS}
+        self.rounds = self.switches = 0
+        self.finished, self.finish_reason = False, None
+
+    def _emit(self, n, drafter=None):
+        take = self.script[len(self.output):len(self.output) + n][: self.request.max_new_tokens - len(self.output)]
+        self.output += take
+        self.sources += ([drafter] * (len(take) - 1) + ["target"]) if drafter else ["target"] * len(take)
+        if len(self.output) >= min(len(self.script), self.request.max_new_tokens):
+            self.finished, self.finish_reason = True, "stop"
+
+    def prefill(self):
+        self._emit(1)
+
+    def step(self):
+        time.sleep(self.engine.delay)
+        name = self.DRAFTERS[self.rounds % len(self.DRAFTERS)]
+        self.switches += self.rounds > 0
+        self.rounds += 1
+        d = self.per_drafter[name]
+        d["rounds"] += 1
+        d["draft_tokens"] += self.engine.chunk
+        d["accepted_tokens"] += self.engine.chunk - 1
+        self.decisions.append((name, self.engine.chunk - 1))
+        self._emit(self.engine.chunk, name)
+
+    def cancel(self):
+        if not self.finished:
+            self.finished, self.finish_reason = True, "cancelled"
+
+    def stats(self, trace=None):
+        return {"method": self.spec.method, "rounds": self.rounds, "switches": self.switches,
+                "acceptance_length": len(self.output) / max(self.rounds, 1),
+                "drafters": {k: dict(v) for k, v in self.per_drafter.items()}}
+
+    def timing(self):
+        return {"total_s": 0.1}
+
+
+class FakeEngine:
+    model_name = "fake-model"
+    max_context = 4096
+    eos_ids = [0]
+    methods = ["none", "whiflash"]
+
+    def __init__(self, reply="Hello <b>world</b> & friends", chunk=3, delay=0.0):
+        self.reply, self.chunk, self.delay = reply, chunk, delay
+        self.tokenizer = CharTokenizer()
+
+    def start(self, request):
+        return ReplayGeneration(self, request)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serve(app):
+    """The app under a real uvicorn on 127.0.0.1 (TestClient cannot follow an endless SSE stream)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def first_event(url: str, **kw) -> tuple[int, dict | None]:
+    """Status of GET url, and its first SSE data event when it streams."""
+    with httpx.stream("GET", url, timeout=10, **kw) as r:
+        if r.status_code != 200:
+            r.read()
+            return r.status_code, r.json()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                return 200, json.loads(line[6:])
+    raise AssertionError("stream ended without an event")
+
+
+def chat(url: str, key: str = "none", **body) -> dict:
+    body = {"messages": [{"role": "user", "content": "hi"}], **body}
+    r = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+# --- access and snapshot (fake engine) -------------------------------------------------------------
+
+
+def test_event_stream_refuses_token_text_without_the_key():
+    app = create_app(FakeEngine(), Settings(api_key="secret"))
+    with serve(app) as url:
+        reply = chat(url, key="secret")
+        events = url + "/v1/stats/events"
+        for kw in ({}, {"params": {"key": "wrong"}}, {"cookies": {"whiflash_key": "wrong"}},
+                   {"headers": {"Authorization": "Bearer wrong"}}):
+            status, body = first_event(events, **kw)
+            assert status == 401 and body["error"]["code"] == "invalid_api_key", kw
+            assert "Hello" not in json.dumps(body)
+        assert httpx.get(url + "/v1/stats/snapshot").status_code == 401
+        # the same key as the API, offered in each way a browser or script can
+        for kw in ({"params": {"key": "secret"}}, {"cookies": {"whiflash_key": "secret"}},
+                   {"headers": {"Authorization": "Bearer secret"}}):
+            status, snap = first_event(events, **kw)
+            assert status == 200 and snap["type"] == "snapshot", kw
+            text = "".join(t["text"] for e in snap["events"] if e["type"] == "tokens" and e["id"] == reply["id"]
+                           for t in e["tokens"])
+            assert text == reply["choices"][0]["message"]["content"]
+        # the pages themselves hold no secrets
+        assert httpx.get(url + "/stats").status_code == 200
+        assert httpx.get(url + "/v1/speculation/methods").status_code == 401
+        methods = httpx.get(url + "/v1/speculation/methods", headers={"Authorization": "Bearer secret"}).json()
+        assert methods == {"methods": ["none", "whiflash"], "default": "whiflash", "alpha": 0.5}
+
+
+def test_without_a_key_only_loopback_clients_get_the_stream():
+    app = create_app(FakeEngine(), Settings())
+    with TestClient(app) as tc:  # TestClient's peer is "testclient", not a loopback address
+        r = tc.get("/v1/stats/snapshot")
+        assert r.status_code == 403 and r.json()["error"]["code"] == "loopback_only"
+        assert tc.get("/v1/stats/events").status_code == 403
+    with serve(create_app(FakeEngine(), Settings())) as url:
+        assert httpx.get(url + "/v1/stats/snapshot").status_code == 200
+        assert httpx.get(url.replace("127.0.0.1", "localhost") + "/v1/stats/snapshot").status_code == 200
+        # a loopback peer that calls us by another name is a DNS-rebinding page, not a local user
+        r = httpx.get(url + "/v1/stats/snapshot", headers={"Host": "evil.example"})
+        assert r.status_code == 403
+        # no CORS unless configured: another origin's script cannot read the stream
+        r = httpx.get(url + "/v1/stats/snapshot", headers={"Origin": "http://evil.example"})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
+def test_snapshot_replays_recent_requests_and_aggregates():
+    app = create_app(FakeEngine(chunk=4), Settings())
+    with serve(app) as url:
+        replies = [chat(url, speculation={"method": "whiflash", "alpha": 0.25}) for _ in range(2)]
+        snap = httpx.get(url + "/v1/stats/snapshot").json()
+    ids = [r["id"] for r in replies]
+    by_type = Counter((e["id"], e["type"]) for e in snap["events"])
+    for rid in ids:
+        assert by_type[(rid, "request_started")] == 1 and by_type[(rid, "request_finished")] == 1
+    started = [e for e in snap["events"] if e["type"] == "request_started"]
+    assert [(e["method"], e["alpha"]) for e in started] == [("whiflash", 0.25)] * 2
+    sources = Counter(t["source"] for e in snap["events"] if e["type"] == "tokens" for t in e["tokens"])
+    agg = snap["aggregate"]
+    assert agg["tokens_by_source"] == dict(sources) and set(sources) == {"eagle3", "dflash", "medusa", "target"}
+    assert agg["requests"] == agg["finished"] == 2 and agg["active"] == 0
+    assert {d["acceptance_length"] for d in agg["drafters"].values()} == {4.0}  # 3 accepted + 1 per round
+    assert agg["tokens"] == sum(sources.values())
+    switches = sum(e["stats"]["switches"] for e in snap["events"] if e["type"] == "request_finished")
+    assert agg["switches"] == switches > 0
+    assert agg["switches_per_100_tokens"] == round(100 * switches / agg["tokens"], 3)
+
+
+def test_pages_and_static_files_are_served():
+    with TestClient(create_app(FakeEngine(), Settings(api_key="k"))) as tc:
+        r = tc.get("/", follow_redirects=False)
+        assert r.status_code in (302, 307) and r.headers["location"] == "/chat"
+        for path, needle in [("/chat", "chat.js"), ("/stats", "stats.js"), ("/static/common.js", "tokenSpan"),
+                             ("/static/stats.js", "EventSource"), ("/static/chat.css", ".composer")]:
+            r = tc.get(path)
+            assert r.status_code == 200 and needle in r.text, path
+
+
+# --- the pages in a real browser ------------------------------------------------------------------
+
+
+# a mark rather than a skip inside the fixture, so that a skipped test does not first start the server
+needs_chromium = pytest.mark.skipif(
+    not (os.path.isfile(CHROMIUM) and os.access(CHROMIUM, os.X_OK)),
+    reason=f"Chromium not found at {CHROMIUM}: install it with `apt-get install chromium` (Debian/Ubuntu) "
+           "or set WHIFLASH_CHROMIUM to its path")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no `playwright install` "
+                                   "needed: the system Chromium is used)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield pg
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
+
+
+def shot(page, name: str) -> Path:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    path = ARTIFACTS / name
+    page.screenshot(path=str(path), full_page=False)
+    return path
+
+
+def page_tokens(page, request_id: str) -> list[dict]:
+    return page.eval_on_selector_all(
+        f'[data-request-id="{request_id}"] .tokens [data-source]',
+        "els => els.map(e => ({source: e.dataset.source, round: Number(e.dataset.round), text: e.textContent}))")
+
+
+def wait_for_tokens(page, request_id: str, n: int, timeout: float = 60, until_done: bool = False) -> list[dict]:
+    """The request's token elements once there are at least n (or, with until_done, once its panel
+    says it finished), or whatever is there at the timeout."""
+    deadline = time.monotonic() + timeout
+    done = f'[data-request-id="{request_id}"] .badge:not(:text("running"))'
+    while True:
+        tokens = page_tokens(page, request_id)
+        if len(tokens) >= n or time.monotonic() > deadline or (until_done and page.locator(done).count()):
+            return tokens
+        page.wait_for_timeout(200)
+
+
+@needs_chromium
+def test_stats_page_shows_each_token_with_its_source(live_server, page):
+    page.goto(live_server.url + "/stats")
+    page.wait_for_selector("#status.live", timeout=20_000)
+    r = live_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=40, temperature=0,
+        extra_body={"speculation": {"method": "whiflash", "trace": True}})
+    trace = r.model_extra["speculation"]["tokens"]
+    page.wait_for_selector(f'[data-request-id="{r.id}"] .badge.done', timeout=30_000)
+    shown = wait_for_tokens(page, r.id, len(trace))
+    assert Counter(t["source"] for t in shown) == Counter(t["source"] for t in trace)
+    assert [(t["source"], t["round"], t["text"]) for t in shown] == \
+        [(t["source"], t["round"], t["text"]) for t in trace]
+    panel = page.locator(f'[data-request-id="{r.id}"]')
+    assert "whiflash" in panel.locator("header").inner_text()
+    rounds = r.model_extra["speculation"]["rounds"]
+    assert panel.locator(".timeline .bar").count() == rounds  # one router decision per round
+    title = panel.locator(".tokens [data-source]").first.get_attribute("title")
+    assert title.startswith("round 0") and "target" in title
+    assert page.locator("#legend [data-legend=eagle3]").count() == 1
+    page.wait_for_selector('#totals :text("(0 active)")', timeout=5_000)  # totals follow request ends
+    shot(page, "stats-page.png")
+
+
+@needs_chromium
+def test_stats_page_opened_mid_stream(live_server, page):
+    """A page opened while a request streams first replays what already happened (the snapshot)."""
+    client = live_server.client()
+    result: dict = {}
+
+    def run():
+        stream = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+            max_tokens=120, temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"speculation": {"method": "whiflash", "trace": True}})
+        for chunk in stream:
+            result.setdefault("id", chunk.id)
+            result["chunks"] = result.get("chunks", 0) + 1
+            if (chunk.model_extra or {}).get("speculation"):
+                result["speculation"] = chunk.model_extra["speculation"]
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 120
+    while result.get("chunks", 0) < 12:  # some tokens out before the page connects
+        assert worker.is_alive() and time.monotonic() < deadline, "the stream did not start"
+        time.sleep(0.1)
+    page.goto(live_server.url + "/stats")
+    page.wait_for_selector("#status.live", timeout=20_000)
+    rid = result["id"]
+    early = wait_for_tokens(page, rid, 10, timeout=10)
+    assert len(early) >= 10, "the snapshot did not replay the tokens streamed before the page opened"
+    wait_for_tokens(page, rid, len(early) + 15, timeout=60, until_done=True)  # live tokens follow
+    running = page.locator(f'[data-request-id="{rid}"] .badge').inner_text() == "running"
+    page.wait_for_timeout(1200)  # one more chart sample
+    path = shot(page, "stats-page-mid-stream.png")
+    # the README's screenshot: written when missing, or refreshed on request, so that a test run
+    # does not dirty a committed file
+    docs_png = REPO / "docs" / "stats-page.png"
+    if running and (not docs_png.exists() or os.environ.get("WHIFLASH_UPDATE_SCREENSHOTS") == "1"):
+        docs_png.parent.mkdir(exist_ok=True)
+        shutil.copyfile(path, docs_png)
+    worker.join(180)
+    assert not worker.is_alive() and "speculation" in result
+    trace = result["speculation"]["tokens"]
+    page.wait_for_selector(f'[data-request-id="{rid}"] .badge.done', timeout=30_000)
+    shown = wait_for_tokens(page, rid, len(trace))
+    assert Counter(t["source"] for t in shown) == Counter(t["source"] for t in trace)
+    assert [t["round"] for t in shown] == [t["round"] for t in trace]
+
+
+@needs_chromium
+def test_chat_page_streams_an_answer_with_its_stats(live_server, page):
+    page.goto(live_server.url + "/")
+    assert page.url.endswith("/chat")
+    page.wait_for_selector("#method option[value=whiflash]", state="attached", timeout=20_000)
+    page.select_option("#method", "whiflash")
+    page.fill("#max-tokens", "24")
+    page.fill("#prompt", "What is the capital of France?")
+    # record the answer's text as it grows: deltas are shown before the coloured re-render
+    page.evaluate("""() => {
+        window.seen = [];
+        new MutationObserver(() => {
+            const a = document.querySelector('.msg.assistant .answer');
+            if (a) window.seen.push([a.textContent.length, a.querySelectorAll('[data-source]').length]);
+        }).observe(document.getElementById('conversation'), {subtree: true, childList: true, characterData: true});
+    }""")
+    page.press("#prompt", "Enter")
+    page.wait_for_selector(".msg.assistant .meta:not(.hidden)", timeout=120_000)
+    answer = page.locator(".msg.assistant .answer")
+    tokens = answer.locator("[data-source]")
+    assert tokens.count() > 0 and answer.inner_text().strip()
+    plain_lengths = {n for n, coloured in page.evaluate("window.seen") if coloured == 0 and n > 0}
+    assert plain_lengths, "no streamed text was shown before the final chunk"
+    meta = page.locator(".msg.assistant .meta").inner_text()
+    assert "whiflash" in meta and "acceptance length" in meta and "tokens/s" in meta
+    # the same request through the API gives the same greedy answer and the same sources
+    r = live_server.client().chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
+        temperature=0, extra_body={"speculation": {"method": "whiflash", "alpha": 0.5, "trace": True}})
+    trace = r.model_extra["speculation"]["tokens"]
+    shown = tokens.evaluate_all("els => els.map(e => [e.dataset.source, e.textContent])")
+    assert shown == [[t["source"], t["text"]] for t in trace]
+    shot(page, "chat-page.png")
+
+
+@needs_chromium
+def test_stats_page_asks_for_the_key(browser, tmp_path):
+    """With an API key configured, the page shows a key form; once entered (kept in a cookie, since
+    EventSource cannot send headers) the stream connects."""
+    app = create_app(FakeEngine(chunk=3), Settings(api_key="s3cret"))
+    with serve(app) as url:
+        reply = chat(url, key="s3cret")
+        context = browser.new_context(viewport={"width": 1280, "height": 700})
+        try:
+            pg = context.new_page()
+            pg.goto(url + "/stats")
+            pg.wait_for_selector("#access:not(.hidden) #key-form:not(.hidden)", timeout=15_000)
+            assert "API key" in pg.inner_text("#access-message")
+            assert pg.locator("[data-request-id]").count() == 0
+            pg.fill("#key", "s3cret")
+            pg.click("#key-form button")
+            pg.wait_for_selector("#status.live", timeout=15_000)
+            shown = wait_for_tokens(pg, reply["id"], len(reply["choices"][0]["message"]["content"]), timeout=15)
+            assert "".join(t["text"] for t in shown) == reply["choices"][0]["message"]["content"]
+            assert pg.locator("[data-request-id] .tokens b").count() == 0  # model text is never parsed as HTML
+            # the made-up drafter got a generated colour and a legend entry
+            assert pg.locator("#legend [data-legend=medusa]").count() == 1
+            colour = pg.eval_on_selector('[data-source="medusa"]', "e => e.style.getPropertyValue('--tok-fg')")
+            assert colour.startswith("hsl(")
+            ARTIFACTS.mkdir(parents=True, exist_ok=True)
+            pg.screenshot(path=str(ARTIFACTS / "stats-page-with-key.png"))
+            # the chat page uses the key saved on the stats page (Authorization header from localStorage)
+            pg.goto(url + "/chat")
+            pg.wait_for_selector("#method option[value=whiflash]", state="attached", timeout=15_000)
+            assert pg.locator("#access.hidden").count() == 1
+            pg.fill("#prompt", "hi")
+            pg.click("#send")
+            pg.wait_for_selector(".msg.assistant .meta:not(.hidden)", timeout=15_000)
+            assert pg.inner_text(".msg.assistant .answer") == reply["choices"][0]["message"]["content"]
+            pg.evaluate("localStorage.clear()")  # a wrong or missing key shows the key form
+            pg.context.clear_cookies()
+            pg.reload()
+            pg.wait_for_selector("#access:not(.hidden)", timeout=15_000)
+            assert "API key" in pg.inner_text("#access-message")
+        finally:
+            context.close()
