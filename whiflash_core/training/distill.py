@@ -75,6 +75,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=1, help="torch threads (other work shares the CPU)")
     p.add_argument("--limit", type=int, default=None,
                    help="answer at most N not-yet-done prompts in this run, then stop")
+    p.add_argument("--per-source", type=int, default=None,
+                   help="in this run, fill each source's train split up to N samples at most "
+                        "(a balanced first pass over all sources; a later run without it goes on)")
     p.set_defaults(func=run)
     return p
 
@@ -95,6 +98,7 @@ class DistillSettings:
     seed: int = 0
     threads: int = 1
     limit: int | None = None
+    per_source: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DistillSettings":
@@ -405,6 +409,15 @@ def distill(s: DistillSettings) -> dict[str, Any]:
     jobs = make_jobs(conversations, tokenizer, s, prompt_stats)
     val_by_source = Counter(j.source for j in jobs if j.split == "val")
     pending = [j for j in jobs if j.id not in done]
+    if s.per_source is not None:
+        room = Counter({src: s.per_source for src in prompt_stats["available"]})
+        room.subtract(Counter(j.source for j in jobs if j.id in done and j.split == "train"))
+        kept = []
+        for job in pending:
+            if job.split == "val" or room[job.source] > 0:
+                kept.append(job)
+                room[job.source] -= job.split == "train"
+        pending = kept
     if s.limit is not None:
         pending = [j for batch in plan_batches(pending, s) for j in batch][: s.limit]
     batches = plan_batches(pending, s)
