@@ -249,7 +249,9 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
         gguf_path = path if path and path.endswith(".gguf") else os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
         if dt != torch.bfloat16:
             raise ValueError("int4 weights run with bfloat16 activations (--dtype bfloat16)")
-        quantize_target_int4(model, gguf_path)
+        # int4 wins while few rows are multiplied (decode, verify); the dense bf16 GEMM wins for
+        # long prefills (measured: bench/verify_curve.py), so keep both and switch at 24 rows.
+        quantize_target_int4(model, gguf_path, dense_from_rows=24)
     elif weights != "dense":
         raise ValueError(f"unknown weight format {weights!r} (dense or int4)")
     return model, tok
