@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -26,6 +26,7 @@ class RouterCalibration:
     threshold_al: float = 2.0
     threshold_tps: float = 2.0
     source: str = "uncalibrated default"
+    sweep: list[dict] = field(default_factory=list)  # per threshold: acceptance length, tok/s, round ms
 
     def threshold(self, alpha: float) -> float:
         return (1.0 - alpha) * self.threshold_al + alpha * self.threshold_tps
@@ -34,7 +35,7 @@ class RouterCalibration:
     def load(cls, path: str) -> "RouterCalibration":
         with open(path) as f:
             raw = json.load(f)
-        return cls(**{k: raw[k] for k in ("threshold_al", "threshold_tps", "source") if k in raw})
+        return cls(**{k: raw[k] for k in ("threshold_al", "threshold_tps", "source", "sweep") if k in raw})
 
     def save(self, path: str) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

@@ -58,6 +58,11 @@ def add_parser(sub) -> None:
     p.add_argument("--weights", default="dense", choices=["dense", "int4"],
                    help="target weights: int4 runs the GGUF's Q4_1 blocks (bfloat16 only); peers stay dense")
     p.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--calibrate-router", default=None, metavar="THRESHOLDS",
+                   help="comma-separated entropy thresholds: sweep the whiflash router over them and report "
+                        "the thresholds maximising acceptance length and tokens/s (what alpha interpolates)")
+    p.add_argument("--router-out", default=None,
+                   help="with --calibrate-router: write the calibration here (e.g. DRAFTERS_DIR/router.json)")
     p.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
                    help="without --workload: render results JSON FILE as Markdown and exit; "
                         "with --workload: also write the run's Markdown tables to FILE (or stdout)")
@@ -308,6 +313,8 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     notes: list[str] = []
+    if args.calibrate_router:
+        return calibrate_router(args, prompts)
     runners = build_http(args, methods) if args.url else build_inprocess(args, methods, prompts, notes)
     names = [r.name for r in runners]
     records = measure(runners, prompts, args.max_tokens, args.repeats, warmup=not args.no_warmup)
@@ -338,4 +345,36 @@ def run(args: argparse.Namespace) -> int:
         print(banner, file=sys.stderr)
         if agr["strict"]:
             return 1
+    return 0
+
+
+def calibrate_router(args, prompts) -> int:
+    """Sweep the entropy threshold for the whiflash method (see calibrate.py)."""
+    from ..chat import encode_chat
+    from ..engine import SpeculationConfig
+    from ..loading import load_engine
+    from ..sampling import SamplingParams
+    from .calibrate import choose, sweep
+
+    thresholds = [float(t) for t in args.calibrate_router.split(",") if t.strip()]
+    engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
+                         weights=args.weights)
+    if "whiflash" not in engine.methods:
+        raise SystemExit("router calibration needs both an EAGLE-3 and a DFlash drafter")
+    for p in prompts:
+        p.ids = encode_chat(engine.tokenizer, p.messages, p.tools)
+    base = SpeculationConfig(method="whiflash", num_draft_tokens=args.num_draft_tokens, block_size=args.block_size)
+    results = sweep(engine, prompts, thresholds, args.max_tokens, SamplingParams(0.0, seed=args.seed), base)
+    source = (f"whiflash bench --calibrate-router on {os.path.basename(args.workload)} ({len(prompts)} prompts, "
+              f"max {args.max_tokens} tokens, {args.dtype}, drafters: {drafters_description(args)}), "
+              f"{dt.datetime.now().astimezone().isoformat(timespec='seconds')}")
+    calibration = choose(results, source)
+    print(f"{'threshold':>9} {'acc. len':>8} {'tok/s':>7} {'round ms':>8} {'eagle3 share':>12}")
+    for r in calibration.sweep:
+        print(f"{r['threshold']:>9.2f} {r['acceptance_length']:>8.3f} {r['tokens_per_s']:>7.2f} "
+              f"{r['round_ms']:>8.2f} {r['eagle3_round_share']:>12.2f}")
+    print(f"threshold_al = {calibration.threshold_al}, threshold_tps = {calibration.threshold_tps}")
+    if args.router_out:
+        calibration.save(args.router_out)
+        print(f"wrote {args.router_out}")
     return 0
