@@ -183,12 +183,29 @@ class TargetModel(nn.Module):
         h = self.norm(x)
         if self.cfg.num_layers in tap_set:
             captured.append((self.cfg.num_layers, h))
-        logits = self.lm_head(h[logits_from:]).float()
+        logits = self.logits(h[logits_from:])
         tap_tensor = None
         if taps:
             by_index = dict(captured)
             tap_tensor = torch.stack([by_index[i] for i in taps], dim=1)
         return TargetOutput(logits=logits, taps=tap_tensor, last_hidden=h)
+
+
+    # bf16 logits are coarse (spacing 0.125 for logits of 16-32): plain greedy decode hits exact
+    # top-1/top-2 ties at a few % of steps, and which one wins then depends on rounding that differs
+    # between a 1-token and a k-token forward. A float32 LM head would cost ~3x the bf16 one here,
+    # so only the leading candidates are recomputed in float32 (a few hundred multiply-adds).
+    refine_top: int = 8
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] float32 logits of final-norm hidden states h."""
+        logits = self.lm_head(h).float()
+        if self.dtype in (torch.float32, torch.float64) or self.refine_top <= 0:
+            return logits
+        top = logits.topk(self.refine_top, dim=-1).indices           # [rows, k]
+        w = self.lm_head.weight[top].float()                         # [rows, k, hidden]
+        exact = torch.einsum("rkh,rh->rk", w, h.float())
+        return logits.scatter(-1, top, exact)
 
 
 # ---------------------------------------------------------------------------------------------
