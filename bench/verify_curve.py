@@ -13,9 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
@@ -23,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
 from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir  # noqa: E402
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig  # noqa: E402
@@ -96,10 +95,8 @@ def main() -> None:
     print("plain decode tokens/s:", {k: round(v, 1) for k, v in decode.items()})
     result = {
         "command": " ".join(sys.argv),
-        "machine": {"cpu": _cpu(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                    "python": platform.python_version(), "torch": torch.__version__},
-        "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True).stdout.strip(),
+        "machine": machine_info("float32/bfloat16/int4", torch.get_num_threads()),
+        "git_commit": (git_info()["commit"] or "")[:7],
         "context_tokens": 300,
         "verify_ms": curves,
         "verify_ratio": {n: {k: c[k] / c[1] for k in KS} for n, c in curves.items()},
@@ -113,16 +110,6 @@ def main() -> None:
         json.dump(result, f, indent=2)
     print("engine / transformers:", {k: round(v, 2) for k, v in result["engine_vs_transformers"].items()})
 
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":
