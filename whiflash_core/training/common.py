@@ -87,6 +87,7 @@ class TrainSettings:
     model: str | None = None          # target (None = embedded SmolLM2-135M-Instruct)
     target_dtype: str = "bfloat16"
     autocast: bool = True             # bf16 autocast for the drafter (a bf16 matmul is ~4x fp32 here)
+    exclude_sources: str = ""         # comma-separated train sources to leave out (e.g. non-commercial data)
     stop_at: int | None = None        # tests: leave after this step without a final save (a "kill")
 
     @classmethod
@@ -127,6 +128,9 @@ def add_common_args(p: argparse.ArgumentParser, lr: float, clip: float) -> None:
     p.add_argument("--target-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--no-autocast", dest="autocast", action="store_false",
                    help="train in float32 instead of under bf16 autocast")
+    p.add_argument("--exclude-sources", default="",
+                   help="comma-separated sources to leave out of the train split (e.g. CC BY-NC data "
+                        "for weights that ship); the val split stays whole")
     p.add_argument("--stop-at", type=int, default=None, help=argparse.SUPPRESS)
 
 
@@ -150,11 +154,14 @@ class Example:
         return mask
 
 
-def load_examples(data_dir: str, split: str, max_len: int) -> list[Example]:
+def load_examples(data_dir: str, split: str, max_len: int, exclude: str = "") -> list[Example]:
     """Distilled samples as Examples, truncated to max_len; sequences with < 2 response tokens
-    (nothing to learn from) are dropped."""
+    (nothing to learn from) and those from the comma-separated `exclude` sources are dropped."""
+    excluded = {x.strip() for x in exclude.split(",") if x.strip()}
     out = []
     for s in load_distilled(data_dir, split):
+        if s["source"] in excluded:
+            continue
         ids = np.concatenate([s["prompt_ids"], s["response_ids"]]).astype(np.int64)[:max_len]
         p = len(s["prompt_ids"])
         if len(ids) - p >= 2:
@@ -593,7 +600,7 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
         target = _load_target(s)
     target.requires_grad_(False)  # the drafter shares its embedding; never train it
 
-    train_set = load_examples(s.data, "train", s.max_len)
+    train_set = load_examples(s.data, "train", s.max_len, s.exclude_sources)
     val_set = pick_val(load_examples(s.data, "val", s.max_len), s.val_samples)
     if not train_set:
         raise SystemExit(f"no training samples in {s.data}")
@@ -656,7 +663,7 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
         while step < s.steps:
             if batch_i >= len(plan):  # new epoch: pick up samples distilled since the last one
                 epoch, batch_i = epoch + 1, 0
-                train_set = load_examples(s.data, "train", s.max_len)
+                train_set = load_examples(s.data, "train", s.max_len, s.exclude_sources)
                 by_id = {e.id: e for e in train_set}
                 plan = plan_epoch(train_set, s.batch_tokens, s.seed, epoch)
             batch = [by_id[i] for i in plan[batch_i]]
