@@ -172,6 +172,13 @@ def test_draft_vocab_and_batches():
     assert sum(len(b) for b in plan) == 6 and plan == plan_epoch(ex * 3, 10, seed=0, epoch=0)
 
 
+def test_exclude_sources_drops_them_from_training_only(data_dir):
+    everything = load_examples(data_dir, "train", 2048)
+    kept = load_examples(data_dir, "train", 2048, exclude="tools, unknown")
+    assert {e.source for e in everything} == {"chat", "tools"}
+    assert [e.id for e in kept] == [e.id for e in everything if e.source == "chat"]
+
+
 # --------------------------------------------------------------------------- EAGLE-3 trainer
 
 def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
@@ -202,6 +209,19 @@ def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
         for a, b in zip(TE.unroll(loaded, e.ids, taps, 3), TE.unroll(trained.model, e.ids, taps, 3)):
             assert torch.equal(loaded.logits(a), trained.model.logits(b))
     assert torch.equal(loaded.d2t, trained.model.d2t) and torch.equal(loaded.t2d, trained.model.t2d)
+
+    # `whiflash train ship` copies the export unchanged and writes a card from the run's own files
+    from whiflash_core.training.ship import ship
+    (Path(small_data_dir) / "manifest.json").write_text(json.dumps({
+        "splits": {"train": {"by_source": {"chat": {"samples": 2, "response_tokens": 40},
+                                           "tools": {"samples": 2, "response_tokens": 44}}}},
+        "sources": {"chat": {"licence": "MIT"}, "tools": {"licence": "Apache-2.0"}}}))
+    dest = Path(ship(str(out), "eagle3", str(tmp_path / "models"), None))
+    assert (dest / "model.safetensors").read_bytes() == (out / "eagle3" / "model.safetensors").read_bytes()
+    card = (dest / "README.md").read_text()
+    tokens = sum(e.length for e in load_examples(small_data_dir, "train", 2048)) * 30  # one batch per epoch
+    assert "Steps: 30 (epoch 29)" in card and f"tokens seen: {tokens:,}" in card, card
+    assert "| chat | MIT | 2 | 40 |" in card and (dest / "loss.png").exists()
 
 
 def test_eagle3_resume_after_kill_equals_straight_run(target, data_dir, tmp_path):

@@ -14,6 +14,7 @@ TRAIN_COMMANDS = {
     "distill": "whiflash_core.training.distill",
     "eagle3": "whiflash_core.training.eagle3",
     "dflash": "whiflash_core.training.dflash",
+    "ship": "whiflash_core.training.ship",
 }
 
 

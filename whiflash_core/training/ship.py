@@ -1,0 +1,191 @@
+"""`whiflash train ship`: copy a trained drafter into the shipped layout and write its model card.
+
+    whiflash train ship --run runs/e3 --name eagle3 --to models/smollm2-135m-instruct \\
+        [--bench bench/results/specbench_trained.json]
+
+Reads everything the card states from files, never from memory: the run's checkpoint (settings,
+steps, epochs, wall time), its metrics log (last train and val records), the distillation
+manifest (sources, licences, token counts) and, when given, a `whiflash bench` results file
+(acceptance length and speed per Spec-Bench category). Run it once to ship the weights, bench,
+then again with `--bench` to put the measured numbers into the card.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from typing import Any
+
+from safetensors import safe_open
+
+from .common import load_checkpoint, load_examples, read_log
+
+
+def tokens_seen(ckpt: dict[str, Any]) -> int:
+    """Prompt + response tokens fed through the drafter's training: whole epochs of the (filtered)
+    train split plus the batches already taken from the current epoch's plan."""
+    s = ckpt["settings"]
+    examples = load_examples(s["data"], "train", s["max_len"], s.get("exclude_sources", ""))
+    length = {e.id: e.length for e in examples}
+    per_epoch = sum(length.values())
+    current = sum(length[i] for batch in ckpt["plan"][:ckpt["batch_i"]] for i in batch)
+    return ckpt["epoch"] * per_epoch + current
+
+
+def data_table(data_dir: str, excluded: set[str]) -> tuple[list[str], int, int]:
+    """Markdown rows (source, licence, samples, response tokens) of the train split actually used."""
+    with open(os.path.join(data_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    by_source = manifest["splits"]["train"]["by_source"]
+    rows, samples, tokens = [], 0, 0
+    for src, c in sorted(by_source.items(), key=lambda kv: -kv[1]["response_tokens"]):
+        if src in excluded:
+            continue
+        licence = manifest["sources"].get(src, {}).get("licence", "?")
+        rows.append(f"| {src} | {licence} | {c['samples']:,} | {c['response_tokens']:,} |")
+        samples += c["samples"]
+        tokens += c["response_tokens"]
+    return rows, samples, tokens
+
+
+def bench_table(path: str, method: str) -> list[str]:
+    """Per-category rows for `method` from a `whiflash bench` results file."""
+    with open(path) as f:
+        res = json.load(f)
+    rows = [f"Measured by `{res['command']}` ({res['created']}, {res['machine'].get('cpu', '?')}, "
+            f"{res['machine'].get('threads', '?')} threads, {res['config'].get('weights', 'dense')} target "
+            f"weights, greedy, {res['config']['max_tokens']} new tokens):", "",
+            "| category | prompts | acceptance length | tok/s | x plain decode |",
+            "|---|---:|---:|---:|---:|"]
+    found = False
+    for r in res["summary"]:
+        if r["method"] != method:
+            continue
+        found = True
+        rows.append(f"| {r['category']} | {r['prompts']} | {r['acceptance_length']:.2f} | "
+                    f"{r['decode_tps']:.1f} | {r['ratio_decode']:.2f}x |")
+    if not found:
+        raise SystemExit(f"{path} has no results for method {method!r}")
+    return rows
+
+
+def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
+    ckpt = load_checkpoint(os.path.join(run, f"{name}.ckpt.pt"))
+    s = ckpt["settings"]
+    excluded = {x.strip() for x in s.get("exclude_sources", "").split(",") if x.strip()}
+    # the log runs ahead of the checkpoint while training continues: keep what the weights saw
+    log = [r for r in read_log(os.path.join(run, f"{name}.log.jsonl")) if r["step"] <= ckpt["step"]]
+    train = [r for r in log if r["kind"] == "train"]
+    vals = [r for r in log if r["kind"] == "val"]
+    with open(os.path.join(dest, "config.json")) as f:
+        config = json.load(f)
+    exported = config.get("whiflash_training", {}).get("step")
+    if exported != ckpt["step"]:
+        raise SystemExit(f"{run}/{name} was exported at step {exported} but the checkpoint is at step "
+                         f"{ckpt['step']}: let the run finish (it exports at its last step) before shipping")
+    with safe_open(os.path.join(dest, "model.safetensors"), "pt") as f:
+        n_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+    size_mb = os.path.getsize(os.path.join(dest, "model.safetensors")) / 1e6
+    rows, n_samples, n_resp = data_table(s["data"], excluded)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items()
+                     if k not in ("resume", "stop_at") and v not in (None, "", False, True))
+
+    lines = [
+        f"# {name} drafter for SmolLM2-135M-Instruct",
+        "",
+        f"Trained by this repository's pipeline (`whiflash train {name}`) on SmolLM2-135M-Instruct's own "
+        "answers (self-distillation), in the published layout the loaders also read "
+        f"({'speculators EAGLE-3' if name == 'eagle3' else 'z-lab DFlash'} format, bf16 safetensors). "
+        "The target's embedding (and, for DFlash, the LM-head rows of the draft vocabulary at init) "
+        "is shared with the target and not stored.",
+        "",
+        f"- Values stored: {n_params / 1e6:.2f} M ({size_mb:.1f} MB, bf16 weights plus the d2t/t2d vocabulary maps).",
+        f"- Draft vocabulary: {s['draft_vocab']} most frequent response tokens "
+        f"({ckpt['vocab_coverage']:.1%} of the train split's response tokens).",
+    ]
+    if name == "eagle3":
+        lines.append(f"- One decoder layer on fused taps {config.get('eagle_aux_hidden_state_layer_ids')}; "
+                     f"training-time test unrolled {s['ttt_steps']} steps (loss weight {s['step_decay']}^k); "
+                     f"default chain length {_chain_length(config)} (chosen by measured tokens/s, see below).")
+    else:
+        lines.append(f"- {s.get('layers')} decoder layers, block size {s.get('block_size')}, target layers "
+                     f"{config.get('dflash_config', {}).get('target_layer_ids', '?')}, loss weight "
+                     f"exp(-(k-1)/{s.get('gamma')}), {s.get('anchors_per_seq')} random anchors per sequence per step.")
+    lines += [
+        "",
+        "## Training",
+        "",
+        f"- Steps: {ckpt['step']:,} (epoch {ckpt['epoch']}), tokens seen: {tokens_seen(ckpt):,} "
+        f"(prompt + response), wall time: {ckpt['wall_s'] / 3600:.2f} h on 1 CPU thread "
+        "(2-core AMD EPYC VM, no GPU; the other core trained the other drafter).",
+        f"- Command: `whiflash train {name} {flags}`",
+        f"- Optimiser: AdamW, lr {s['lr']:g}, {s['schedule']} schedule, warm-up {s['warmup']}, "
+        f"clip {s['clip']}, batches of {s['batch_tokens']} tokens, bf16 autocast.",
+    ]
+    if train:
+        t = train[-1]
+        lines.append(f"- Last train window (step {t['step']}): loss {t['loss']:.3f}, top-1 per draft position "
+                     f"{', '.join(f'{a:.2f}' for a in t['acc'])}.")
+    if vals:
+        v = vals[-1]
+        lines.append(f"- Held-apart validation (step {v['step']}, {v['starts']:,} drafting starts, teacher-forced): "
+                     f"tau {v['tau']:.2f} (chain of 4: {v['tau4']:.2f}); per-position accuracy "
+                     f"{', '.join(f'{a:.2f}' for a in v['acc'])}.")
+        lines.append("- Validation tau by source: " + ", ".join(f"{k} {t:.2f}" for k, t in v["tau_by_source"].items())
+                     + ".")
+    lines += ["", "![loss curve](loss.png)", "", "## Data", "",
+              f"{n_samples:,} prompts answered by the target ({n_resp:,} response tokens; "
+              "`datasets/smollm2-distill`, made by `whiflash train distill`). Spec-Bench was never used."
+              + (f" Left out for licence reasons: {', '.join(sorted(excluded))}." if excluded else ""), "",
+              "| source | licence | samples | response tokens |", "|---|---|---:|---:|", *rows, ""]
+    lines += ["## Acceptance on Spec-Bench", ""]
+    lines += bench_table(bench, name) if bench else ["Not benchmarked yet (run `whiflash train ship ... --bench FILE`)."]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def _chain_length(config: dict) -> int:
+    return config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int | None = None) -> str:
+    src = os.path.join(run, name)
+    dest = os.path.join(to, name)
+    os.makedirs(dest, exist_ok=True)
+    for f in ("config.json", "model.safetensors"):
+        shutil.copyfile(os.path.join(src, f), os.path.join(dest, f))
+    if num_draft_tokens is not None:  # EAGLE-3's default chain length, as the speculators config holds it
+        if name != "eagle3":
+            raise SystemExit("--num-draft-tokens applies to eagle3 (DFlash drafts its trained block)")
+        path = os.path.join(dest, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = num_draft_tokens
+        with open(path, "w") as f:
+            json.dump(config, f, indent=2)
+    shutil.copyfile(os.path.join(run, f"{name}.loss.png"), os.path.join(dest, "loss.png"))
+    card = write_card(run, name, dest, bench)
+    with open(os.path.join(dest, "README.md"), "w") as f:
+        f.write(card)
+    return dest
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    p = sub.add_parser("ship", help="copy a trained drafter into models/ with its model card",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", required=True, help="the trainer's --out directory")
+    p.add_argument("--name", required=True, choices=["eagle3", "dflash"])
+    p.add_argument("--to", required=True, help="drafter directory (e.g. models/smollm2-135m-instruct)")
+    p.add_argument("--bench", default=None, help="`whiflash bench` results JSON for the acceptance table")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="eagle3: default chain length to write into the shipped config (pick it by measurement)")
+    p.set_defaults(func=lambda a: print(ship(a.run, a.name, a.to, a.bench, a.num_draft_tokens)))
+    return p
