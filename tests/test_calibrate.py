@@ -17,8 +17,33 @@ def test_choose_maximises_acceptance_and_speed_separately():
           ThresholdResult(3.0, rounds=10, round_tokens=20, decode_tokens=20, decode_s=1.0)]   # AL 2, 20 tok/s
     cal = choose(rs, "test")
     assert (cal.threshold_al, cal.threshold_tps) == (1.0, 2.0)
-    assert cal.threshold(0.0) == 1.0 and cal.threshold(1.0) == 2.0 and cal.threshold(0.5) == 1.5
+    assert cal.threshold(0.0) == 1.0 and cal.threshold(1.0) == 2.0
     assert [r["threshold"] for r in cal.sweep] == [1.0, 2.0, 3.0]
+    # alpha 0.5: a 200 ms round budget; only the tokens/s-best point (100 ms rounds) fits
+    assert cal.threshold(0.5) == 2.0
+    # without a measured sweep, alpha interpolates the two thresholds linearly
+    assert RouterCalibration(1.0, 2.0).threshold(0.5) == 1.5
+
+
+def test_higher_alpha_never_picks_longer_measured_rounds():
+    """The documented promise, on many random sweeps: mean round time (as measured by the
+    calibration bench) is non-increasing in alpha, and both ends are the calibrated thresholds."""
+    gen = torch.Generator().manual_seed(0)
+    alphas = [i / 20 for i in range(21)]
+    for trial in range(200):
+        results = []
+        for j in range(int(torch.randint(1, 8, (1,), generator=gen))):
+            rounds = 10
+            tokens = int(torch.randint(10, 60, (1,), generator=gen))
+            seconds = float(torch.rand(1, generator=gen)) * 2 + 0.1
+            results.append(ThresholdResult(0.5 * j, rounds, tokens, tokens, seconds))
+        cal = choose(results, "random")
+        round_ms = {p["threshold"]: p["round_ms"] for p in cal.sweep}
+        picked = [round_ms[cal.threshold(a)] for a in alphas]
+        assert all(b <= a + 1e-9 for a, b in zip(picked, picked[1:])), (trial, picked)
+        assert cal.threshold(1.0) == cal.threshold_tps
+        if cal.latency_path()[0]["threshold"] == cal.threshold_al:
+            assert cal.threshold(0.0) == cal.threshold_al
 
 
 def test_calibration_saves_and_loads(tmp_path):

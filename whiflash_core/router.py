@@ -6,9 +6,14 @@ better; low entropy means predictable text, where a block drafter (DFlash) commi
 cheaply. So: entropy > threshold -> eagle3, else dflash.
 
 The `alpha` knob (0..1) trades expected accepted tokens against latency. Calibration (from
-`whiflash bench`) gives two thresholds: `threshold_al`, the one that maximised acceptance length,
-and `threshold_tps`, the one that maximised tokens/s; alpha interpolates linearly between them
-(alpha=0 -> most accepted tokens per round, alpha=1 -> most tokens per second).
+`whiflash bench --calibrate-router`) measures a sweep of thresholds and keeps two: `threshold_al`,
+the one that maximised acceptance length, and `threshold_tps`, the one that maximised tokens/s.
+alpha=0 picks the first, alpha=1 the second. In between, alpha sets a round-latency budget
+interpolated between the two points' measured round times, and the router takes the measured
+threshold with the longest rounds that fit it. So on the calibration bench, a higher alpha never
+picks a threshold with longer mean rounds (the tokens/s-best point never has longer rounds than the
+acceptance-best one: tok/s = AL / round time). Without a measured sweep it falls back to linear
+interpolation of the two thresholds.
 """
 from __future__ import annotations
 
@@ -29,7 +34,28 @@ class RouterCalibration:
     sweep: list[dict] = field(default_factory=list)  # per threshold: acceptance length, tok/s, round ms
 
     def threshold(self, alpha: float) -> float:
-        return (1.0 - alpha) * self.threshold_al + alpha * self.threshold_tps
+        path = self.latency_path()
+        if not path:
+            return (1.0 - alpha) * self.threshold_al + alpha * self.threshold_tps
+        budget = (1.0 - alpha) * path[0]["round_ms"] + alpha * path[-1]["round_ms"]
+        return next(p["threshold"] for p in path if p["round_ms"] <= budget + 1e-9)
+
+    def latency_path(self) -> list[dict]:
+        """Measured sweep points alpha can pick, longest rounds first: the acceptance-best point,
+        then those whose round time lies between it and the tokens/s-best point (ties: faster
+        first), ending at the tokens/s-best point. Empty without a sweep holding both ends."""
+        by_t = {p["threshold"]: p for p in self.sweep if "round_ms" in p}
+        if self.threshold_al not in by_t or self.threshold_tps not in by_t:
+            return []
+        hi, lo = by_t[self.threshold_al], by_t[self.threshold_tps]
+        if lo["round_ms"] >= hi["round_ms"]:  # measurement noise: the fast end is the only safe pick
+            return [lo]
+        middle = [p for p in by_t.values() if p is not hi and p is not lo
+                  and lo["round_ms"] <= p["round_ms"] <= hi["round_ms"]]
+        middle.sort(key=lambda p: (-p["round_ms"], -p["tokens_per_s"]))
+        # at the fast end's round time the fast end itself wins any tie (it has the best tok/s)
+        middle = [p for p in middle if p["round_ms"] > lo["round_ms"]]
+        return [hi, *middle, lo]
 
     @classmethod
     def load(cls, path: str) -> "RouterCalibration":

@@ -55,8 +55,8 @@ def add_parser(sub) -> None:
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint directory")
     p.add_argument("--dflash", default=None, help="DFlash checkpoint directory")
-    p.add_argument("--weights", default="dense", choices=["dense", "int4"],
-                   help="target weights: int4 runs the GGUF's Q4_1 blocks (bfloat16 only); peers stay dense")
+    p.add_argument("--weights", default="dense", choices=["dense", "int8", "int4"],
+                   help="target weights: int4 = the GGUF's Q4_1 blocks (LM head int8), int8 = per-row int8 linears (bfloat16 only); peers stay dense")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--calibrate-router", default=None, metavar="THRESHOLDS",
                    help="comma-separated entropy thresholds: sweep the whiflash router over them and report "
@@ -374,7 +374,27 @@ def calibrate_router(args, prompts) -> int:
         print(f"{r['threshold']:>9.2f} {r['acceptance_length']:>8.3f} {r['tokens_per_s']:>7.2f} "
               f"{r['round_ms']:>8.2f} {r['eagle3_round_share']:>12.2f}")
     print(f"threshold_al = {calibration.threshold_al}, threshold_tps = {calibration.threshold_tps}")
+    round_ms = {p["threshold"]: p["round_ms"] for p in calibration.sweep}
+    alpha_path = [{"alpha": a / 10, "threshold": calibration.threshold(a / 10),
+                   "round_ms": round_ms[calibration.threshold(a / 10)]} for a in range(11)]
+    print("alpha -> threshold (measured round ms): " +
+          ", ".join(f"{p['alpha']:.1f} -> {p['threshold']:g} ({p['round_ms']:.1f})" for p in alpha_path))
     if args.router_out:
         calibration.save(args.router_out)
         print(f"wrote {args.router_out}")
+    if args.out:
+        from dataclasses import asdict
+
+        import torch
+
+        from .report import git_info, machine_info
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump({"schema": "whiflash-router-calibration/1", "command": command_line(args),
+                       "created": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                       "git": git_info(), "machine": machine_info(args.dtype, torch.get_num_threads()),
+                       "weights": args.weights, "calibration": asdict(calibration), "alpha_path": alpha_path},
+                      f, indent=2)
+        print(f"wrote {args.out}")
     return 0
