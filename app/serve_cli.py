@@ -17,8 +17,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float64", "float16"])
-    p.add_argument("--weights", default=None, choices=["dense", "int4"],
-                   help="int4: run the GGUF's Q4_1 weights with the CPU int4 matmul (bfloat16 only)")
+    p.add_argument("--weights", default=None, choices=["dense", "int8", "int4"],
+                   help="int4: the GGUF's Q4_1 blocks through the CPU int4 matmul, LM head int8; int8: every linear per-row int8 (bfloat16 only)")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

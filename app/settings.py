@@ -15,7 +15,8 @@ class Settings(BaseSettings):
     model: str | None = Field(None, description="HF model directory or .gguf (default: embedded SmolLM2)")
     drafters: str | None = Field(None, description="drafter directory (default: the shipped drafters)")
     dtype: Literal["bfloat16", "float32", "float64", "float16"] = "bfloat16"
-    weights: Literal["dense", "int4"] = Field("dense", description="int4: the GGUF's Q4_1 blocks (bfloat16 only)")
+    weights: Literal["dense", "int8", "int4"] = Field(
+        "dense", description="int4: the GGUF's Q4_1 blocks, int8: per-row int8 linears (bfloat16 only)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     served_model_name: str | None = None
     api_key: str | None = None

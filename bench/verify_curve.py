@@ -3,7 +3,8 @@
     .venv/bin/python bench/verify_curve.py --out bench/results/verify_curve.json [--threads N]
 
 T(k): one target forward over k new tokens on a 300-token KV cache (median of repeats, logits
-for all k rows), for float32, bfloat16 and int4 (the GGUF's Q4_1 blocks, bf16 activations).
+for all k rows), for float32, bfloat16, int8 (per-row int8 linears) and int4 (the GGUF's Q4_1 blocks, LM head
+int8), the last two with bf16 activations, all loaded by `load_target` as the server does.
 Plain decode: the engine's `none` method, 128 new tokens, against `transformers` `generate` in
 the same dtype. Everything is measured in this one process, interleaved, so ratios hold even on a
 noisy shared machine; absolute times drift between runs.
@@ -11,6 +12,7 @@ noisy shared machine; absolute times drift between runs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -23,10 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
-from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir  # noqa: E402
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig  # noqa: E402
-from whiflash_core.quant import quantize_target_int4  # noqa: E402
-from whiflash_core.target import from_hf, load_hf_model  # noqa: E402
+from whiflash_core.target import load_hf_model, load_target  # noqa: E402
 
 KS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 PROMPT = [{"role": "user", "content": "Explain how a hash table works, with an example in Python."}]
@@ -47,6 +47,37 @@ def verify_times(model, repeats: int, ctx: int = 300) -> dict[int, float]:
             cache.rollback(ctx)
         out[k] = statistics.median(ts[1:]) * 1000
     return out
+
+
+def llama_cpp_curve(prompt_ids: list[int], threads: int, repeats: int, ctx: int = 300) -> tuple[dict[int, float], float]:
+    """The same measurements for llama.cpp on the GGUF itself (when llama-cpp-python is installed):
+    T(k) = `eval` of k tokens after rewinding to the 300-token context, logits for all k rows;
+    plain decode = 128 greedy tokens."""
+    from llama_cpp import Llama
+
+    from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+
+    llm = Llama(model_path=os.path.join(embedded_model_dir(), EMBEDDED_GGUF), n_threads=threads,
+                n_threads_batch=threads, n_ctx=1024, n_batch=512, logits_all=True, verbose=False)
+    g = torch.Generator().manual_seed(0)
+    llm.eval(torch.randint(0, 49152, (ctx,), generator=g).tolist())
+    out = {}
+    for k in KS:
+        ts = []
+        for _ in range(repeats + 1):
+            llm.n_tokens = ctx  # eval() drops the KV cache past n_tokens first
+            tokens = torch.randint(0, 49152, (k,), generator=g).tolist()
+            t0 = time.perf_counter()
+            llm.eval(tokens)
+            ts.append(time.perf_counter() - t0)
+        out[k] = statistics.median(ts[1:]) * 1000
+    llm.reset()
+    stream = llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True)
+    next(stream)  # prefill + first token
+    t0 = time.perf_counter()
+    for _ in range(127):
+        next(stream)
+    return out, 127 / (time.perf_counter() - t0)
 
 
 def plain_decode_tps(model, tok, n: int = 128) -> float:
@@ -80,14 +111,16 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     hf32, tok = load_hf_model(None)
     hf16 = load_hf_model(None)[0].to(torch.bfloat16)
-    models = {"float32": from_hf(hf32, torch.float32), "bfloat16": from_hf(hf32, torch.bfloat16)}
-    models["int4"] = from_hf(hf32, torch.bfloat16)
-    quantize_target_int4(models["int4"], os.path.join(embedded_model_dir(), EMBEDDED_GGUF))
+    models = {"float32": load_target(None, "float32")[0], "bfloat16": load_target(None, "bfloat16")[0],
+              "int8": load_target(None, "bfloat16", "int8")[0], "int4": load_target(None, "bfloat16", "int4")[0]}
 
     curves = {name: verify_times(m, args.repeats) for name, m in models.items()}
     decode = {name: plain_decode_tps(m, tok) for name, m in models.items()}
     decode["hf_generate_float32"] = hf_generate_tps(hf32, tok)
     decode["hf_generate_bfloat16"] = hf_generate_tps(hf16, tok)
+    if importlib.util.find_spec("llama_cpp") is not None:
+        curves["llama_cpp"], decode["llama_cpp"] = llama_cpp_curve(encode_chat(tok, PROMPT), torch.get_num_threads(),
+                                                                   args.repeats)
 
     print(f"{'k':>4} " + " ".join(f"{n + ' ms':>14} {'ratio':>6}" for n in curves))
     for k in KS:
@@ -95,7 +128,7 @@ def main() -> None:
     print("plain decode tokens/s:", {k: round(v, 1) for k, v in decode.items()})
     result = {
         "command": " ".join(sys.argv),
-        "machine": machine_info("float32/bfloat16/int4", torch.get_num_threads()),
+        "machine": machine_info("float32/bfloat16/int8/int4", torch.get_num_threads()),
         "git_commit": (git_info()["commit"] or "")[:7],
         "context_tokens": 300,
         "verify_ms": curves,
@@ -103,6 +136,7 @@ def main() -> None:
         "plain_decode_tokens_per_s": decode,
         "engine_vs_transformers": {"float32": decode["float32"] / decode["hf_generate_float32"],
                                    "bfloat16": decode["bfloat16"] / decode["hf_generate_bfloat16"],
+                                   "int8_vs_hf_bfloat16": decode["int8"] / decode["hf_generate_bfloat16"],
                                    "int4_vs_hf_bfloat16": decode["int4"] / decode["hf_generate_bfloat16"]},
     }
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)

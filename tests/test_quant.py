@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
-from whiflash_core.quant import Int4Linear, decode_q4_1, quantize_target_int4
+from whiflash_core.quant import Int4Linear, Int8Linear, decode_q4_1, quantize_target_int4
 from whiflash_core.target import from_hf, load_hf_model
 
 
@@ -48,3 +48,29 @@ def test_embedded_model_runs_on_its_own_q4_1_weights():
     b = int4(ids, int4.new_cache(64)).logits
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+def test_int8_linear_matches_dense_and_switches_to_dense_for_many_rows():
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    lin = Int8Linear(w, dense_from_rows=8)
+    assert lin.weight is w  # the dense tensor is shared, not copied
+    few, many = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(8, 64, dtype=torch.bfloat16)
+    ref = few.float() @ w.float().T
+    torch.testing.assert_close(lin(few).float(), ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))
+    assert torch.equal(lin(many), torch.nn.functional.linear(many, w))
+
+
+def test_light_formats_keep_the_greedy_choice_of_the_dense_target():
+    """int4 (Q4_1 layers + int8 head) and int8 on the real model: the float32-refined top-8 keeps
+    the dense target's greedy token at (almost) every position of a real chat prompt."""
+    from whiflash_core.chat import encode_chat
+    from whiflash_core.target import load_target
+
+    dense, tok = load_target(None, "bfloat16")
+    ids = torch.tensor(encode_chat(tok, [{"role": "user", "content": "Explain what a CPU cache is."}]))
+    ref = dense(ids, dense.new_cache(len(ids)), logits_from=0).logits.argmax(-1)
+    for weights in ("int8", "int4"):
+        model, _ = load_target(None, "bfloat16", weights)
+        got = torch.cat([model(ids[i:i + 16], cache, logits_from=0).logits.argmax(-1)
+                         for cache in [model.new_cache(len(ids))] for i in range(0, len(ids), 16)])
+        assert (got == ref).float().mean() > 0.9, weights

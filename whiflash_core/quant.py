@@ -1,4 +1,4 @@
-"""Run the GGUF's own Q4_1 weights without dequantising them (CPU int4 weight-only matmul).
+"""Lighter target weights for CPU decode: the GGUF's own Q4_1 blocks (int4) and per-row int8.
 
 The embedded model ships as Q4_1: blocks of 32 weights along the input dimension, each
 w = d * q + m with q in 0..15 and fp16 d, m. PyTorch's CPU int4 matmul (the tinygemm layout that
@@ -10,6 +10,12 @@ flag (`--weights int4`), and the float32 reference path stays.
 Decode is bound by reading weights (about 270 MB per token in bf16); int4 reads a quarter of that.
 For many rows (long prefill, big verify) the dense bf16 GEMM is faster, so `Int4Linear` keeps an
 optional dense copy and uses it above `dense_from_rows` rows.
+
+The tied 49k-row LM head is not Q4_1 in the GGUF; in bf16 it alone costs ~2 ms of a ~12 ms int4
+decode step. `Int8Linear` (one symmetric scale per output row, `_weight_int8pack_mm`) reads half
+the bytes. Its logits are coarser, but the target recomputes its top-8 logits in float32 from the
+dense weights (`TargetModel.logits`), so a greedy choice only changes if the true argmax falls out
+of the int8 top 8. `--weights int8` applies it to every linear of any Llama/Qwen3 target.
 """
 from __future__ import annotations
 
@@ -86,6 +92,43 @@ class Int4Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
                                                           GROUP, self.scales_and_zeros)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """y = x @ W.T with W as int8 and one bf16 scale per output row; bias-free.
+
+    `weight` stays the dense tensor (shared, e.g. the tied embedding: no copy), for long inputs and
+    for readers of `.weight` such as the float32 top-k refinement.
+    """
+
+    def __init__(self, weight: torch.Tensor, dense_from_rows: int = 10**9):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scale.to(torch.bfloat16)
+        self.weight = weight
+        self.dense_from_rows = dense_from_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] >= self.dense_from_rows:
+            y = nn.functional.linear(x2, self.weight)
+        else:
+            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.q, self.scales)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+def quantize_target_int8(model, dense_from_rows: int = 10**9, head_only: bool = False) -> int:
+    """Swap the target's linears (or only its LM head) for Int8Linear in place; returns the count."""
+    names = ["lm_head"] if head_only else [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, Int8Linear(getattr(parent, attr).weight, dense_from_rows))
+    return len(names)
 
 
 def quantize_target_int4(model, gguf_path: str, dense_from_rows: int = 10**9) -> int:

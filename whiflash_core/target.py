@@ -253,22 +253,28 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
 def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense"):
     """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default.
 
-    weights="int4" runs the GGUF's own Q4_1 blocks through the CPU int4 matmul (see quant.py).
+    weights="int4" runs the GGUF's own Q4_1 blocks through the CPU int4 matmul (LM head int8);
+    weights="int8" quantises every linear per output row (any target). See quant.py.
     """
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     hf_model, tok = load_hf_model(path)
     model = from_hf(hf_model, dt)
     del hf_model
+    if weights in ("int4", "int8") and dt != torch.bfloat16:
+        raise ValueError(f"{weights} weights run with bfloat16 activations (--dtype bfloat16)")
+    # The light formats win while few rows are multiplied (decode, verify); the dense bf16 GEMM wins
+    # for long prefills (measured: bench/verify_curve.py), so keep both and switch at 24 rows.
     if weights == "int4":
         from .embedded import EMBEDDED_GGUF, embedded_model_dir
-        from .quant import quantize_target_int4
+        from .quant import quantize_target_int4, quantize_target_int8
 
         gguf_path = path if path and path.endswith(".gguf") else os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
-        if dt != torch.bfloat16:
-            raise ValueError("int4 weights run with bfloat16 activations (--dtype bfloat16)")
-        # int4 wins while few rows are multiplied (decode, verify); the dense bf16 GEMM wins for
-        # long prefills (measured: bench/verify_curve.py), so keep both and switch at 24 rows.
         quantize_target_int4(model, gguf_path, dense_from_rows=24)
+        quantize_target_int8(model, dense_from_rows=24, head_only=True)  # the head is not Q4_1
+    elif weights == "int8":
+        from .quant import quantize_target_int8
+
+        quantize_target_int8(model, dense_from_rows=24)
     elif weights != "dense":
-        raise ValueError(f"unknown weight format {weights!r} (dense or int4)")
+        raise ValueError(f"unknown weight format {weights!r} (dense, int8 or int4)")
     return model, tok
