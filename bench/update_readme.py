@@ -3,7 +3,9 @@
     .venv/bin/python bench/update_readme.py [RESULTS.json ...]
 
 Replaces the text between `<!-- results:start -->` and `<!-- results:end -->` in README.md with
-`whiflash bench --markdown` tables of the given Spec-Bench results and the verify-cost curve.
+`whiflash bench --markdown` tables of the given Spec-Bench results (the first one with its
+per-category tables, the others overall only), the router calibration, the drafter step costs and
+the verify-cost curve.
 """
 from __future__ import annotations
 
@@ -37,12 +39,53 @@ def verify_curve_markdown(path: str) -> str:
     return "\n".join(lines)
 
 
+def calibration_markdown(path: str) -> str:
+    with open(path) as f:
+        r = json.load(f)
+    cal = r["calibration"]
+    lines = [f"_`{r['command']}` ({r['weights']} weights, {r['machine']['threads']} threads, "
+             f"commit {(r['git']['commit'] or '')[:7]})_", "",
+             "| entropy threshold | acc. len | tok/s | round ms | EAGLE-3 share of rounds |", "|---:|---:|---:|---:|---:|"]
+    for p in cal["sweep"]:
+        lines.append(f"| {p['threshold']:g} | {p['acceptance_length']:.2f} | {p['tokens_per_s']:.1f} | "
+                     f"{p['round_ms']:.1f} | {p['eagle3_round_share']:.0%} |")
+    lines += ["", f"Acceptance-best threshold {cal['threshold_al']:g}, tokens/s-best {cal['threshold_tps']:g}. "
+              "alpha -> threshold (measured mean round ms): " +
+              ", ".join(f"{p['alpha']:.1f} -> {p['threshold']:g} ({p['round_ms']:.1f})" for p in r["alpha_path"]) + "."]
+    return "\n".join(lines)
+
+
+def drafter_step_markdown(path: str) -> str:
+    with open(path) as f:
+        r = json.load(f)
+    e, d = r["results"].get("eagle3"), r["results"].get("dflash")
+    parts = [f"_`{r['command']}` ({r['machine']['threads']} threads, {r['context']}-token context)_", ""]
+    if e:
+        parts.append(f"EAGLE-3 propose: {e['first_step_ms']:.2f} ms for one draft (full layer on the newest pair + "
+                     f"head), then {e['chain_step_ms']:.2f} ms per further chain step; by chain length: " +
+                     ", ".join(f"{k}: {v:.2f} ms" for k, v in e["propose_ms_by_k"].items()) + ".")
+    if d:
+        parts.append(f"DFlash propose (block {d['block_size']}, {d['block_size'] - 1} drafts in one forward): "
+                     f"{d['propose_ms']:.2f} ms.")
+    return "\n".join(parts)
+
+
 def main() -> None:
-    files = sys.argv[1:] or [os.path.join(ROOT, "bench/results/specbench_untrained.json")]
+    files = sys.argv[1:] or [os.path.join(ROOT, p) for p in ("bench/results/specbench_trained.json",
+                                                              "bench/results/specbench_trained_int4.json")]
     parts = []
-    for path in files:
+    for i, path in enumerate(files):
         with open(path) as f:
-            parts.append(render_markdown(json.load(f)).split("\nDecode tokens/s per category")[0].strip())
+            md = render_markdown(json.load(f))
+        cut = "\n- losslessness" if i == 0 else "\nDecode tokens/s per category"
+        parts.append(md.split(cut)[0].strip())
+    extra = [("Router calibration (`whiflash bench --calibrate-router`, on the small workload, not Spec-Bench):",
+              "bench/results/router_calibration.json", calibration_markdown),
+             ("Drafter cost per proposal (`bench/drafter_step.py`):", "bench/results/drafter_step.json",
+              drafter_step_markdown)]
+    for title, rel, render in extra:
+        if os.path.exists(os.path.join(ROOT, rel)):
+            parts.append(title + "\n\n" + render(os.path.join(ROOT, rel)))
     curve = os.path.join(ROOT, "bench/results/verify_curve.json")
     if os.path.exists(curve):
         parts.append("Verify cost curve T(k) (one forward over k new tokens, 300-token context):\n\n"
