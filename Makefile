@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# int4 = the GGUF's own Q4_1 blocks (LM head int8): the fastest measured target format for whole
+# speculative rounds (bench/results/specbench_trained_int4.json against specbench_trained.json).
 run: $(STAMP)
-	$(BIN)/whiflash serve --host 127.0.0.1 --port 8000
+	$(BIN)/whiflash serve --host 127.0.0.1 --port 8000 --weights int4
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
