@@ -9,6 +9,8 @@ import logging
 
 
 def add_parser(sub) -> None:
+    from whiflash_core.target import WEIGHT_FORMATS
+
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # every default is None: an absent flag leaves the environment / built-in default in place
@@ -17,7 +19,7 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float64", "float16"])
-    p.add_argument("--weights", default=None, choices=["dense", "int8", "int4"],
+    p.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
                    help="int4: the GGUF's Q4_1 blocks through the CPU int4 matmul, LM head int8; int8: every linear per-row int8 (bfloat16 only)")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")

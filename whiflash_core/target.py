@@ -250,6 +250,10 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
     return model.to(dtype).eval()
 
 
+WEIGHT_FORMATS = ("dense", "int8", "int4")
+DENSE_FROM_ROWS = 24
+
+
 def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense"):
     """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default.
 
@@ -263,18 +267,18 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
     if weights in ("int4", "int8") and dt != torch.bfloat16:
         raise ValueError(f"{weights} weights run with bfloat16 activations (--dtype bfloat16)")
     # The light formats win while few rows are multiplied (decode, verify); the dense bf16 GEMM wins
-    # for long prefills (measured: bench/verify_curve.py), so keep both and switch at 24 rows.
+    # for long prefills (measured: bench/verify_curve.py), so keep both and switch at DENSE_FROM_ROWS.
     if weights == "int4":
         from .embedded import EMBEDDED_GGUF, embedded_model_dir
         from .quant import quantize_target_int4, quantize_target_int8
 
         gguf_path = path if path and path.endswith(".gguf") else os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
-        quantize_target_int4(model, gguf_path, dense_from_rows=24)
-        quantize_target_int8(model, dense_from_rows=24, head_only=True)  # the head is not Q4_1
+        quantize_target_int4(model, gguf_path, dense_from_rows=DENSE_FROM_ROWS)
+        quantize_target_int8(model, dense_from_rows=DENSE_FROM_ROWS, head_only=True)  # the head is not Q4_1
     elif weights == "int8":
         from .quant import quantize_target_int8
 
-        quantize_target_int8(model, dense_from_rows=24)
-    elif weights != "dense":
-        raise ValueError(f"unknown weight format {weights!r} (dense, int8 or int4)")
+        quantize_target_int8(model, dense_from_rows=DENSE_FROM_ROWS)
+    elif weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
     return model, tok

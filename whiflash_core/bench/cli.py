@@ -30,6 +30,8 @@ INT_LIST = re.compile(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]")
 
 
 def add_parser(sub) -> None:
+    from ..target import WEIGHT_FORMATS
+
     p = sub.add_parser("bench", help="benchmark speculation methods (and peers) on a workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", help="JSONL: Spec-Bench records or chat conversations {category, messages, tools?}")
@@ -55,7 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint directory")
     p.add_argument("--dflash", default=None, help="DFlash checkpoint directory")
-    p.add_argument("--weights", default="dense", choices=["dense", "int8", "int4"],
+    p.add_argument("--weights", default="dense", choices=WEIGHT_FORMATS,
                    help="target weights: int4 = the GGUF's Q4_1 blocks (LM head int8), int8 = per-row int8 linears (bfloat16 only); peers stay dense")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--calibrate-router", default=None, metavar="THRESHOLDS",
@@ -375,8 +377,8 @@ def calibrate_router(args, prompts) -> int:
               f"{r['round_ms']:>8.2f} {r['eagle3_round_share']:>12.2f}")
     print(f"threshold_al = {calibration.threshold_al}, threshold_tps = {calibration.threshold_tps}")
     round_ms = {p["threshold"]: p["round_ms"] for p in calibration.sweep}
-    alpha_path = [{"alpha": a / 10, "threshold": calibration.threshold(a / 10),
-                   "round_ms": round_ms[calibration.threshold(a / 10)]} for a in range(11)]
+    alpha_path = [{"alpha": alpha, "threshold": t, "round_ms": round_ms[t]}
+                  for alpha in (a / 10 for a in range(11)) for t in [calibration.threshold(alpha)]]
     print("alpha -> threshold (measured round ms): " +
           ", ".join(f"{p['alpha']:.1f} -> {p['threshold']:g} ({p['round_ms']:.1f})" for p in alpha_path))
     if args.router_out:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 from typing import Any
@@ -85,7 +86,7 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         raise SystemExit(f"{run}/{name} was exported at step {exported} but the checkpoint is at step "
                          f"{ckpt['step']}: let the run finish (it exports at its last step) before shipping")
     with safe_open(os.path.join(dest, "model.safetensors"), "pt") as f:
-        n_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     size_mb = os.path.getsize(os.path.join(dest, "model.safetensors")) / 1e6
     rows, n_samples, n_resp = data_table(s["data"], excluded)
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items()
@@ -147,13 +148,6 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
 
 def _chain_length(config: dict) -> int:
     return config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int | None = None) -> str:
