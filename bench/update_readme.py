@@ -58,15 +58,16 @@ def calibration_markdown(path: str) -> str:
 def drafter_step_markdown(path: str) -> str:
     with open(path) as f:
         r = json.load(f)
-    e, d = r["results"].get("eagle3"), r["results"].get("dflash")
     parts = [f"_`{r['command']}` ({r['machine']['threads']} threads, {r['context']}-token context)_", ""]
-    if e:
-        parts.append(f"EAGLE-3 propose: {e['first_step_ms']:.2f} ms for one draft (full layer on the newest pair + "
-                     f"head), then {e['chain_step_ms']:.2f} ms per further chain step; by chain length: " +
-                     ", ".join(f"{k}: {v:.2f} ms" for k, v in e["propose_ms_by_k"].items()) + ".")
-    if d:
-        parts.append(f"DFlash propose (block {d['block_size']}, {d['block_size'] - 1} drafts in one forward): "
-                     f"{d['propose_ms']:.2f} ms.")
+    for weights, res in r["results"].items():
+        label = "dense bf16 drafters" if weights == "dense" else f"int8 drafters (target {weights})"
+        e, d = res.get("eagle3"), res.get("dflash")
+        if e:
+            parts.append(f"- {label}: EAGLE-3 {e['first_step_ms']:.2f} ms for one draft (full layer on the newest "
+                         f"pair + head), then {e['chain_step_ms']:.2f} ms per further chain step (by chain length: " +
+                         ", ".join(f"{k}: {v:.2f} ms" for k, v in e["propose_ms_by_k"].items()) + ")" +
+                         (f"; DFlash block {d['block_size']} ({d['block_size'] - 1} drafts in one forward): "
+                          f"{d['propose_ms']:.2f} ms." if d else "."))
     return "\n".join(parts)
 
 

@@ -42,7 +42,7 @@ def test_embedded_model_runs_on_its_own_q4_1_weights():
     dense = from_hf(hf, torch.bfloat16)
     int4 = from_hf(hf, torch.bfloat16)
     # raises if any packed block differs from the weights transformers dequantised
-    assert quantize_target_int4(int4, os.path.join(embedded_model_dir(), EMBEDDED_GGUF)) == 210
+    assert quantize_target_int4(int4, os.path.join(embedded_model_dir(), EMBEDDED_GGUF)) == 30 * 4
     ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
     a = dense(ids, dense.new_cache(64)).logits
     b = int4(ids, int4.new_cache(64)).logits
@@ -74,3 +74,33 @@ def test_light_formats_keep_the_greedy_choice_of_the_dense_target():
         got = torch.cat([model(ids[i:i + 16], cache, logits_from=0).logits.argmax(-1)
                          for cache in [model.new_cache(len(ids))] for i in range(0, len(ids), 16)])
         assert (got == ref).float().mean() > 0.9, weights
+
+
+def test_int8_drafters_propose_what_the_dense_ones_do_on_a_real_context():
+    """A light target (--weights int4/int8) gets int8 drafters; they must still draft (nearly) the
+    same tokens, since acceptance is all a drafter's numerics can change (the target verifies)."""
+    import copy
+
+    from whiflash_core.chat import encode_chat
+    from whiflash_core.drafters.base import Context, DraftSampling
+    from whiflash_core.loading import load_engine
+    from whiflash_core.quant import quantize_drafter
+
+    engine = load_engine(dtype="bfloat16")
+    target, tok = engine.target, engine.tokenizer
+    ids = encode_chat(tok, [{"role": "user", "content": "List three uses of a hash map in Python."}])
+    taps = engine.tap_layers
+    with torch.inference_mode():
+        out = target(torch.tensor(ids), target.new_cache(len(ids) + 8), taps=taps)
+    for name, dense in engine.drafters.items():
+        light = copy.deepcopy(dense)
+        assert quantize_drafter(light) > 5
+        assert all(not isinstance(m, torch.nn.Linear) for m in light.modules())
+        agree = total = 0
+        for n in range(len(ids) - 30, len(ids) - 1):  # draft from each of the last 29 prompt positions
+            ctx = Context(torch.tensor(ids), n, out.taps, taps)
+            a = dense.propose(dense.new_state(len(ids) + 16), ctx, 3, DraftSampling()).tokens
+            b = light.propose(light.new_state(len(ids) + 16), ctx, 3, DraftSampling()).tokens
+            agree += int((a == b).sum())
+            total += a.numel()
+        assert agree / total > 0.9, (name, agree, total)

@@ -19,7 +19,8 @@ from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_NAME
 from .engine import Engine
 from .router import RouterCalibration
-from .target import DTYPES, TargetModel, load_target
+from .quant import quantize_drafter
+from .target import DENSE_FROM_ROWS, DTYPES, TargetModel, load_target
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
         print("warning: no trained drafters found; using randomly initialised drafters "
               "(output stays exact, but almost no draft token will be accepted)", file=sys.stderr)
         found = random_drafters(target)
+    if weights != "dense":  # drafters in the target's light format (see quantize_drafter)
+        for drafter in found.values():
+            quantize_drafter(drafter, DENSE_FROM_ROWS)
     calibration = RouterCalibration()
     if directory and os.path.exists(os.path.join(directory, "router.json")):
         calibration = RouterCalibration.load(os.path.join(directory, "router.json"))

@@ -14,9 +14,10 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, causal_mask
+from .layers import RMSNorm, Rotary, apply_rope, attend, causal_mask, group_rows
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
@@ -97,9 +98,10 @@ class Attention(nn.Module):
         super().__init__()
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.nh, self.nkv, self.hd = nh, nkv, hd
-        self.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(h, nkv * hd, bias=cfg.attention_bias)
+        # Hugging Face's q_proj, k_proj, v_proj stacked by rows: one matmul call per layer instead of
+        # three (same results bit for bit; at one row the call overhead is most of the cost).
+        self.sizes = (nh * hd, nkv * hd, nkv * hd)
+        self.qkv_proj = nn.Linear(h, sum(self.sizes), bias=cfg.attention_bias)
         self.o_proj = nn.Linear(nh * hd, h, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
@@ -108,25 +110,42 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.nh, self.hd)
-        k = self.k_proj(x).view(t, self.nkv, self.hd)
-        v = self.v_proj(x).view(t, self.nkv, self.hd)
+        t, nh = x.shape[0], self.nh
+        qkv = self.qkv_proj(x).view(t, nh + 2 * self.nkv, self.hd)
+        qk, v = qkv[:, :nh + self.nkv], qkv[:, nh + self.nkv:]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(0, 1), cos, sin)
-        k = apply_rope(k.transpose(0, 1), cos, sin)
+            qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
+        qk = apply_rope(qk.transpose(0, 1), cos, sin)  # q and k heads rotated in one go
+        q, k = qk[:nh], qk[nh:]
         k_cache[:, start:start + t] = k
         v_cache[:, start:start + t] = v.transpose(0, 1)
         end = start + t
         return self.o_proj(attend(q, k_cache[:, :end], v_cache[:, :end], mask))
 
 
+class GatedMLP(nn.Module):
+    """SwiGLU with gate_proj and up_proj stacked by rows into one matmul (as `qkv_proj`)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+# Our stacked linears and the Hugging Face / GGUF linears they are made of, in row order.
+STACKED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         self.self_attn = Attention(cfg)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -171,24 +190,24 @@ class TargetModel(nn.Module):
         start = cache.length
         cache.reserve(t)
         cos, sin = self.rotary.tables(slice(start, start + t), self.dtype)
-        mask = causal_mask(t, start, tokens.device)
-        x = self.embed_tokens(tokens)
-        captured = []
-        tap_set = set(taps)
-        for i, layer in enumerate(self.layers):
-            if i in tap_set:
-                captured.append((i, x))
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, mask)
+        # built once per forward in the form every layer's attention uses
+        mask = causal_mask(t, start, tokens.device, self.dtype)
+        if mask is not None and group_rows(t, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype):
+            mask = mask.repeat(self.cfg.num_heads // self.cfg.num_kv_heads, 1)
+        h, tap_tensor = self.run_layers(self.embed_tokens(tokens), cos, sin, cache.k, cache.v, start, mask, taps)
         cache.length = start + t
+        return TargetOutput(logits=self.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h)
+
+    def run_layers(self, x, cos, sin, k_cache, v_cache, start: int, mask, taps: tuple[int, ...]):
+        """Decoder layers + final norm: (h [T, hidden], taps [T, n_taps, hidden] or None)."""
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                captured[i] = x
+            x = layer(x, cos, sin, k_cache[i], v_cache[i], start, mask)
         h = self.norm(x)
-        if self.cfg.num_layers in tap_set:
-            captured.append((self.cfg.num_layers, h))
-        logits = self.logits(h[logits_from:])
-        tap_tensor = None
-        if taps:
-            by_index = dict(captured)
-            tap_tensor = torch.stack([by_index[i] for i in taps], dim=1)
-        return TargetOutput(logits=logits, taps=tap_tensor, last_hidden=h)
+        captured[self.cfg.num_layers] = h
+        return h, (torch.stack([captured[i] for i in taps], dim=1) if taps else None)
 
 
     # bf16 logits are coarse (spacing 0.125 for logits of 16-32): plain greedy decode hits exact
@@ -241,6 +260,7 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
     for name, tensor in hf_model.state_dict().items():
         key = name[len("model."):] if name.startswith("model.") else name
         state[key] = tensor
+    state = stack_linears(state, cfg.num_layers)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
@@ -248,6 +268,17 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = rotary
     return model.to(dtype).eval()
+
+
+def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Hugging Face per-projection weights (and biases) -> our stacked ones (see STACKED)."""
+    for i in range(num_layers):
+        for stacked, parts in STACKED.items():
+            for kind in ("weight", "bias"):
+                keys = [f"layers.{i}.{p}.{kind}" for p in parts]
+                if keys[0] in state:
+                    state[f"layers.{i}.{stacked}.{kind}"] = torch.cat([state.pop(k) for k in keys])
+    return state
 
 
 WEIGHT_FORMATS = ("dense", "int8", "int4")

@@ -264,15 +264,17 @@ def init_from_target_layer(layer: Eagle3Layer, target: TargetModel, index: int) 
     src = target.layers[index]
     h = target.cfg.hidden_size
     with torch.no_grad():
-        for name in ("q_proj", "k_proj", "v_proj"):
+        qkv = src.self_attn.qkv_proj.weight.split(src.self_attn.sizes)  # the target stacks q, k, v
+        for name, w in zip(("q_proj", "k_proj", "v_proj"), qkv):
             dst = getattr(layer.self_attn, name).weight
-            w = getattr(src.self_attn, name).weight
             if dst.shape != (w.shape[0], 2 * h):
                 raise ValueError(f"--init-layer: {name} shapes differ ({tuple(dst.shape)} vs {tuple(w.shape)})")
             dst[:, h:] = w
         layer.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(layer.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+        gate, up = src.mlp.gate_up_proj.weight.chunk(2)
+        layer.mlp.gate_proj.weight.copy_(gate)
+        layer.mlp.up_proj.weight.copy_(up)
+        layer.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight)
         layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
         layer.hidden_norm.weight.copy_(src.input_layernorm.weight)
         layer.input_layernorm.weight.copy_(src.input_layernorm.weight)
