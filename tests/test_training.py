@@ -223,6 +223,17 @@ def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
     assert "Steps: 30 (epoch 29)" in card and f"tokens seen: {tokens:,}" in card, card
     assert "| chat | MIT | 2 | 40 |" in card and (dest / "loss.png").exists()
 
+    # --draft-vocab N keeps the N most frequent of the trained head rows, unchanged (size budget)
+    pruned = Path(ship(str(out), "eagle3", str(tmp_path / "pruned"), None, draft_vocab=16))
+    small = Eagle3Drafter.load(str(pruned), target.embed_tokens, target.cfg.num_layers, torch.float32)
+    st = ckpt["settings"]
+    kept, _ = build_draft_vocab(load_examples(st["data"], "train", st["max_len"]), 16, target.cfg.vocab_size)
+    full_ids, small_ids = torch.arange(48) + loaded.d2t, torch.arange(16) + small.d2t
+    assert torch.equal(small_ids, kept) and set(kept.tolist()) < set(full_ids.tolist())
+    assert torch.equal(small.lm_head.weight, loaded.lm_head.weight[torch.searchsorted(full_ids, kept)])
+    assert small.t2d.sum() == 16 and small.t2d[kept].all()
+    assert "Shipped with the 16 most frequent" in (pruned / "README.md").read_text()
+
 
 def test_eagle3_resume_after_kill_equals_straight_run(target, data_dir, tmp_path):
     kw = dict(steps=12, ckpt_every=4, val_every=6)

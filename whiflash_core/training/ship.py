@@ -1,7 +1,7 @@
 """`whiflash train ship`: copy a trained drafter into the shipped layout and write its model card.
 
     whiflash train ship --run runs/e3 --name eagle3 --to models/smollm2-135m-instruct \\
-        [--bench bench/results/specbench_trained.json]
+        [--bench bench/results/specbench_trained.json] [--num-draft-tokens K] [--draft-vocab N]
 
 Reads everything the card states from files, never from memory: the run's checkpoint (settings,
 steps, epochs, wall time), its metrics log (last train and val records), the distillation
@@ -18,9 +18,11 @@ import os
 import shutil
 from typing import Any
 
+import torch
 from safetensors import safe_open
 
-from .common import load_checkpoint, load_examples, read_log
+from ..drafters.checkpoint import load_state_dict, save_state_dict
+from .common import build_draft_vocab, load_checkpoint, load_examples, read_log
 
 
 def tokens_seen(ckpt: dict[str, Any]) -> int:
@@ -105,6 +107,12 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         f"- Draft vocabulary: {s['draft_vocab']} most frequent response tokens "
         f"({ckpt['vocab_coverage']:.1%} of the train split's response tokens).",
     ]
+    pruned = config.get("whiflash_training", {}).get("pruned_draft_vocab")
+    if pruned:
+        lines.append(f"- Shipped with the {pruned['size']} most frequent of those rows ({pruned['coverage']:.1%} "
+                     f"coverage; `whiflash train ship --draft-vocab {pruned['size']}`) to fit the repository's size "
+                     "budget; the kept rows are the trained ones. Validation below is of the full trained head, "
+                     "the Spec-Bench table of the shipped one.")
     if name == "eagle3":
         lines.append(f"- One decoder layer on fused taps {config.get('eagle_aux_hidden_state_layer_ids')}; "
                      f"training-time test unrolled {s['ttt_steps']} steps (loss weight {s['step_decay']}^k); "
@@ -146,11 +154,42 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
     return "\n".join(lines)
 
 
+def prune_draft_vocab(dest: str, settings: dict[str, Any], keep: int) -> float:
+    """Keep the `keep` most frequent rows of a shipped drafter's reduced head (trained rows, not
+    re-initialised), so the file fits the repository's size budget; returns their coverage of the
+    train split's response tokens. Frequencies come from the run's own data and filters, so the
+    kept ids are the top `keep` of the same ranking that chose the trained vocabulary."""
+    cfg_path = os.path.join(dest, "config.json")
+    with open(cfg_path) as f:
+        config = json.load(f)
+    vocab_size = config.get("vocab_size") or config["transformer_layer_config"]["vocab_size"]
+    sd = load_state_dict(dest)
+    ids = torch.arange(len(sd["d2t"])) + sd["d2t"]  # target id of each draft row
+    examples = load_examples(settings["data"], "train", settings["max_len"], settings.get("exclude_sources", ""))
+    kept, coverage = build_draft_vocab(examples, keep, vocab_size)
+    rows = torch.searchsorted(ids, kept)
+    if not torch.equal(ids[rows], kept):
+        raise SystemExit("the pruned vocabulary is not a subset of the trained one (different data or filters?)")
+    sd["lm_head.weight"] = sd["lm_head.weight"][rows]
+    sd["d2t"] = kept - torch.arange(keep)
+    if "t2d" in sd:
+        sd["t2d"] = torch.zeros_like(sd["t2d"])
+        sd["t2d"][kept] = True
+    save_state_dict(sd, os.path.join(dest, "model.safetensors"))
+    config["draft_vocab_size"] = keep
+    config.setdefault("whiflash_training", {})["pruned_draft_vocab"] = {
+        "trained_size": len(ids), "size": keep, "coverage": round(coverage, 4)}
+    with open(cfg_path, "w") as f:
+        json.dump(config, f, indent=2)
+    return coverage
+
+
 def _chain_length(config: dict) -> int:
     return config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
 
 
-def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int | None = None) -> str:
+def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int | None = None,
+         draft_vocab: int | None = None) -> str:
     src = os.path.join(run, name)
     dest = os.path.join(to, name)
     os.makedirs(dest, exist_ok=True)
@@ -165,6 +204,8 @@ def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int 
         config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = num_draft_tokens
         with open(path, "w") as f:
             json.dump(config, f, indent=2)
+    if draft_vocab is not None:
+        prune_draft_vocab(dest, load_checkpoint(os.path.join(run, f"{name}.ckpt.pt"))["settings"], draft_vocab)
     shutil.copyfile(os.path.join(run, f"{name}.loss.png"), os.path.join(dest, "loss.png"))
     card = write_card(run, name, dest, bench)
     with open(os.path.join(dest, "README.md"), "w") as f:
@@ -181,5 +222,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--bench", default=None, help="`whiflash bench` results JSON for the acceptance table")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="eagle3: default chain length to write into the shipped config (pick it by measurement)")
-    p.set_defaults(func=lambda a: print(ship(a.run, a.name, a.to, a.bench, a.num_draft_tokens)))
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="keep only this many of the trained draft-vocabulary rows (the most frequent), to fit a size budget")
+    p.set_defaults(func=lambda a: print(ship(a.run, a.name, a.to, a.bench, a.num_draft_tokens, a.draft_vocab)))
     return p
