@@ -14,6 +14,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
+from whiflash_core.engine import Method
+
 # --- request -----------------------------------------------------------------------------------
 
 
@@ -115,11 +117,12 @@ class SpeculationParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    method: Literal["none", "eagle3", "dflash", "whiflash"] | None = None
+    method: Method | None = None
     policy: Literal["entropy"] | None = None
     alpha: float | None = Field(None, ge=0.0, le=1.0)
     num_draft_tokens: int | None = Field(None, ge=1, le=64)
     block_size: int | None = Field(None, ge=2, le=65)
+    prompt_lookup: bool | None = None
     trace: bool | None = None
 
 

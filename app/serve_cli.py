@@ -9,6 +9,7 @@ import logging
 
 
 def add_parser(sub) -> None:
+    from whiflash_core.engine import METHODS
     from whiflash_core.target import WEIGHT_FORMATS
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
@@ -28,7 +29,7 @@ def add_parser(sub) -> None:
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
-    p.add_argument("--speculation-method", default=None, choices=["none", "eagle3", "dflash", "whiflash"],
+    p.add_argument("--speculation-method", default=None, choices=METHODS,
                    help="default method (default: the best one the loaded drafters allow)")
     p.add_argument("--speculation-alpha", type=float, default=None, help="default router alpha (0..1)")
     p.add_argument("--default-max-tokens", type=int, default=None)

@@ -70,7 +70,9 @@ class ChatServing:
     def default_method(self) -> str:
         if self.settings.speculation_method is not None:
             return self.settings.speculation_method
-        return self.engine.methods[-1]  # none < eagle3 < dflash < whiflash, as far as loaded
+        # the most capable loaded method: whiflash, else a trained drafter, else prompt lookup
+        preference = ("whiflash", "eagle3", "dflash", "ngram", "none")
+        return next(m for m in preference if m in self.engine.methods)
 
     def prepare(self, req: ChatCompletionRequest) -> Prepared:
         """Validate `req` and build the engine request (raises APIError). Runs in a worker thread:
@@ -143,7 +145,8 @@ class ChatServing:
         return SpeculationConfig(method=method, policy=pick("policy", "entropy"),
                                  alpha=pick("alpha", s.speculation_alpha),
                                  num_draft_tokens=pick("num_draft_tokens", s.num_draft_tokens),
-                                 block_size=pick("block_size", s.block_size), trace=pick("trace", False))
+                                 block_size=pick("block_size", s.block_size),
+                                 prompt_lookup=pick("prompt_lookup", True), trace=pick("trace", False))
 
     def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):
         fmt = req.response_format

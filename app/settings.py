@@ -6,6 +6,8 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from whiflash_core.engine import Method
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="WHIFLASH_", extra="ignore")
@@ -36,7 +38,7 @@ class Settings(BaseSettings):
     parallel_tool_calls: bool = Field(False, description="default when a request does not say")
 
     # speculation defaults (a request's `speculation` object overrides them)
-    speculation_method: Literal["none", "eagle3", "dflash", "whiflash"] | None = Field(
+    speculation_method: Method | None = Field(
         None, description="None: the best method the loaded drafters allow")
     speculation_alpha: float = Field(0.5, ge=0.0, le=1.0)
     num_draft_tokens: int | None = Field(None, ge=1)

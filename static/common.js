@@ -7,6 +7,7 @@ const WF = (() => {
   const KNOWN = {
     eagle3: { fg: "#1f6feb", bg: "#dbe9ff" },
     dflash: { fg: "#d4561c", bg: "#ffe3d3" },
+    ngram: { fg: "#1a7f37", bg: "#dafbe1" },
     target: { fg: "#8c959f", bg: "#eef0f2" },
   };
   const KEY_STORAGE = "whiflash_key";

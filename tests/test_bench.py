@@ -238,7 +238,7 @@ def test_bench_command_smoke_float32(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     threads = torch.get_num_threads()
     try:
-        rc = main(["bench", "--workload", str(workload), "--methods", "none,eagle3,dflash,whiflash",
+        rc = main(["bench", "--workload", str(workload), "--methods", "none,eagle3,dflash,ngram,whiflash",
                    "--max-tokens", "8", "--threads", "1", "--dtype", "float32", "--no-warmup",
                    "--out", str(out), "--plot", str(png)])
     finally:
@@ -250,7 +250,7 @@ def test_bench_command_smoke_float32(tmp_path, capsys):
     assert results["machine"]["threads"] == 1 and results["machine"]["dtype"] == "float32"
     assert results["config"]["drafters"] and results["command"].startswith("whiflash bench")
     rows = {(s["category"], s["method"]): s for s in results["summary"]}
-    assert set(rows) == {(c, m) for c in ("qa", "agentic", "all") for m in ("none", "eagle3", "dflash", "whiflash")}
+    assert set(rows) == {(c, m) for c in ("qa", "agentic", "all") for m in ("none", "eagle3", "dflash", "ngram", "whiflash")}
     for s in rows.values():
         assert s["tokens"] > 0 and s["decode_tps"] > 0 and s["acceptance_length"] >= 1.0
     assert rows[("all", "none")]["ratio_decode"] == 1.0

@@ -92,7 +92,8 @@ def test_int8_drafters_propose_what_the_dense_ones_do_on_a_real_context():
     taps = engine.tap_layers
     with torch.inference_mode():
         out = target(torch.tensor(ids), target.new_cache(len(ids) + 8), taps=taps)
-    for name, dense in engine.drafters.items():
+    for name in ("eagle3", "dflash"):
+        dense = engine.drafters[name]
         light = copy.deepcopy(dense)
         assert quantize_drafter(light) > 5
         assert all(not isinstance(m, torch.nn.Linear) for m in light.modules())

@@ -21,18 +21,23 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 import torch
 
 from .drafters.base import Context, Drafter, DraftSampling
+from .drafters.ngram import NgramDrafter
 from .router import EntropyRouter, RouterCalibration
 from .sampling import SamplingParams, sample, target_probs, verify_greedy, verify_sampling
 from .target import TargetModel
 
 log = logging.getLogger(__name__)
 
-METHODS = ("none", "eagle3", "dflash", "whiflash")
+Method = Literal["none", "eagle3", "dflash", "ngram", "whiflash"]
+METHODS: tuple[str, ...] = get_args(Method)
+# whiflash consults prompt lookup first and takes its draft when the context's last LOOKUP_FIRST_NGRAM
+# tokens occurred before (a shorter match is too often chance in free text to beat the router's pick)
+LOOKUP_FIRST_NGRAM = 3
 
 
 @dataclass
@@ -40,9 +45,10 @@ class SpeculationConfig:
     method: str = "whiflash"
     policy: str = "entropy"
     alpha: float = 0.5
-    num_draft_tokens: int | None = None   # EAGLE-3 chain length (default: the drafter's)
+    num_draft_tokens: int | None = None   # EAGLE-3 chain / prompt-lookup draft length (default: the drafter's)
     block_size: int | None = None         # DFlash block incl. the anchor (default: the drafter's)
     entropy_threshold: float | None = None  # explicit override of the calibrated threshold
+    prompt_lookup: bool = True            # whiflash: prompt-lookup drafts first where the context repeats
     trace: bool = False
     eager_catch_up: bool = False          # naive scheme: every drafter catches up every round
 
@@ -90,7 +96,8 @@ class Engine:
                  calibration: RouterCalibration | None = None, model_name: str = "target"):
         self.target = target
         self.tokenizer = tokenizer
-        self.drafters = drafters or {}
+        self.drafters = dict(drafters or {})
+        self.drafters.setdefault("ngram", NgramDrafter())  # weightless: always available
         self.calibration = calibration or RouterCalibration()
         self.model_name = model_name
         taps = sorted({t for d in self.drafters.values() for t in d.tap_layers})
@@ -99,7 +106,7 @@ class Engine:
 
     @property
     def methods(self) -> list[str]:
-        out = ["none"] + [m for m in ("eagle3", "dflash") if m in self.drafters]
+        out = ["none"] + [m for m in ("eagle3", "dflash", "ngram") if m in self.drafters]
         if "eagle3" in self.drafters and "dflash" in self.drafters:
             out.append("whiflash")
         return out
@@ -134,8 +141,11 @@ class Generation:
         self.draft_sampling = DraftSampling(request.sampling.temperature, self.generator)
         self.stop_ids = set(request.stop_token_ids if request.stop_token_ids is not None else engine.eos_ids)
 
-        self.active = {"none": [], "eagle3": ["eagle3"], "dflash": ["dflash"],
+        # drafters the router chooses between; whiflash may also take a prompt-lookup draft first
+        self.routed = {"none": [], "eagle3": ["eagle3"], "dflash": ["dflash"], "ngram": ["ngram"],
                        "whiflash": ["eagle3", "dflash"]}[spec.method]
+        self.lookup_first = spec.method == "whiflash" and spec.prompt_lookup
+        self.active = self.routed + (["ngram"] if self.lookup_first else [])
         threshold = spec.entropy_threshold
         if threshold is None:
             threshold = engine.calibration.threshold(spec.alpha)
@@ -152,7 +162,9 @@ class Generation:
         self.ids[:p] = torch.tensor(request.prompt_ids)
         self.cache = engine.target.new_cache(capacity)
         hidden = engine.target.cfg.hidden_size
-        n_taps = len(engine.tap_layers) if self.active else 0
+        # the target taps hidden states only for drafters that read them (not for prompt lookup)
+        self.tap_layers = engine.tap_layers if any(engine.drafters[d].tap_layers for d in self.active) else ()
+        n_taps = len(self.tap_layers)
         self.taps = torch.zeros(capacity, n_taps, hidden, dtype=engine.target.dtype)
         self.states = {name: engine.drafters[name].new_state(capacity) for name in self.active}
 
@@ -195,6 +207,16 @@ class Generation:
         taps = self.taps.new_zeros((size,) + self.taps.shape[1:])
         taps[: self.taps.shape[0]] = self.taps
         self.ids, self.taps = ids, taps
+
+    def _route(self, n: int) -> str:
+        """This round's drafter."""
+        if self.lookup_first and self.engine.drafters["ngram"].match(self.ids, n)[0] >= LOOKUP_FIRST_NGRAM:
+            return "ngram"
+        if len(self.routed) == 1:
+            return self.routed[0]
+        name, entropy = self.router.choose(self.last_logits)
+        self.entropies.append(entropy)
+        return name
 
     def _context(self) -> Context:
         return Context(self.ids, self.cache.length, self.taps, self.engine.tap_layers)
@@ -257,9 +279,9 @@ class Generation:
         p = self.prompt_len
         if p + 1 >= self.engine.max_context:
             raise ValueError(f"prompt of {p} tokens exceeds the context length {self.engine.max_context}")
-        out = self.engine.target(self.ids[:p], self.cache, self.engine.tap_layers if self.active else (),
+        out = self.engine.target(self.ids[:p], self.cache, self.tap_layers,
                                  logits_from=p - 1)
-        if self.active:
+        if self.tap_layers:
             self.taps[:p] = out.taps
         masks = self.request.constraint.masks([]) if self.request.constraint else None
         _, tok = self._choose(out.logits, masks, None, None)
@@ -278,10 +300,7 @@ class Generation:
         name, draft, draft_probs = None, None, None
         if self.active:
             t0 = time.perf_counter()
-            name = self.active[0]
-            if len(self.active) > 1:
-                name, entropy = self.router.choose(self.last_logits)
-                self.entropies.append(entropy)
+            name = self._route(n)
             t1 = time.perf_counter()
             self.times.router += t1 - t0
             remaining = self.request.max_new_tokens - len(self.output)
@@ -307,10 +326,10 @@ class Generation:
         k = 0 if draft is None else draft.shape[0]
         t3 = time.perf_counter()
         tokens = self.ids[n:n + 1] if k == 0 else torch.cat([self.ids[n:n + 1], draft])
-        out = self.engine.target(tokens, self.cache, self.engine.tap_layers if self.active else ())
+        out = self.engine.target(tokens, self.cache, self.tap_layers)
         a, nxt = self._choose(out.logits, masks, draft, draft_probs)
         self.cache.rollback(n + a + 1)
-        if self.active:
+        if self.tap_layers:
             self.taps[n:n + a + 1] = out.taps[: a + 1]
         self.times.verify += time.perf_counter() - t3
         self.rounds += 1

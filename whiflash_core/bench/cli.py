@@ -21,10 +21,10 @@ import re
 import shlex
 import sys
 
+from ..engine import METHODS
 from .stats import BASELINE, PromptRecord, collapse_repeats, mismatches, summarize
 from .workload import categories_in_order, load_workload
 
-ENGINE_METHODS = ("none", "eagle3", "dflash", "whiflash")
 STRICT_DTYPES = ("float32", "fp32", "float64")
 INT_LIST = re.compile(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]")
 
@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", help="JSONL: Spec-Bench records or chat conversations {category, messages, tools?}")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
-    p.add_argument("--methods", default="none,eagle3,dflash,whiflash")
+    p.add_argument("--methods", default="none,eagle3,dflash,ngram,whiflash")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per (prompt, method); medians are kept")
@@ -201,7 +201,7 @@ def measure(runners, prompts, max_tokens: int, repeats: int, warmup: bool) -> li
         n_prompt = len(prompt.ids) if prompt.ids else next(
             (r.extra.get("prompt_tokens") for r in runs.values() if r.extra.get("prompt_tokens")), None)
         record = PromptRecord(prompt.id, prompt.category, n_prompt, runs)
-        for mm in mismatches([record], [r.name for r in runners if r.name in ENGINE_METHODS]):
+        for mm in mismatches([record], [r.name for r in runners if r.name in METHODS]):
             bar.write(f"!! MISMATCH: prompt {mm.prompt} ({mm.category}) {mm.method} differs from none at "
                       f"{mm.unit[:-1]} {mm.first_diff} ({mm.length} vs {mm.baseline_length} {mm.unit})",
                       file=sys.stderr)
@@ -296,9 +296,9 @@ def run(args: argparse.Namespace) -> int:
             return 0
         raise SystemExit("whiflash bench: give --workload FILE (or --markdown RESULTS.json to render a results file)")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [m for m in methods if m not in ENGINE_METHODS]
+    bad = [m for m in methods if m not in METHODS]
     if bad:
-        raise SystemExit(f"unknown method(s) {bad}; choose from {list(ENGINE_METHODS)}")
+        raise SystemExit(f"unknown method(s) {bad}; choose from {list(METHODS)}")
     if args.url and args.peers:
         raise SystemExit("--peers runs in-process; benchmark the gateway (--url) and the peers in separate runs")
     if args.repeats < 1 or args.max_tokens < 1:
@@ -365,7 +365,9 @@ def calibrate_router(args, prompts) -> int:
         raise SystemExit("router calibration needs both an EAGLE-3 and a DFlash drafter")
     for p in prompts:
         p.ids = encode_chat(engine.tokenizer, p.messages, p.tools)
-    base = SpeculationConfig(method="whiflash", num_draft_tokens=args.num_draft_tokens, block_size=args.block_size)
+    # the router is calibrated on its own choices: no prompt-lookup rounds in between
+    base = SpeculationConfig(method="whiflash", num_draft_tokens=args.num_draft_tokens, block_size=args.block_size,
+                             prompt_lookup=False)
     results = sweep(engine, prompts, thresholds, args.max_tokens, SamplingParams(0.0, seed=args.seed), base)
     source = (f"whiflash bench --calibrate-router on {os.path.basename(args.workload)} ({len(prompts)} prompts, "
               f"max {args.max_tokens} tokens, {args.dtype}, drafters: {drafters_description(args)}), "

@@ -1,0 +1,54 @@
+"""Prompt-lookup drafter (n-gram matching; transformers' `prompt_lookup_num_tokens`, vLLM's ngram
+proposer): the draft is whatever followed the most recent earlier occurrence of the context's last
+n tokens. No weights, no target features, microseconds per proposal.
+
+It shines where the answer copies its context (extraction, RAG, summaries, code edits, tool
+calls that repeat arguments) and finds nothing in free text; with no match it drafts nothing and
+the round is a plain decode step, so it never costs a wasted verify.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Context, Draft, Drafter, DrafterState, DraftSampling
+
+
+@dataclass
+class NgramConfig:
+    min_ngram: int = 2
+    max_ngram: int = 3
+    num_draft_tokens: int = 3   # default draft length (one 4-row block of the CPU int4 verify)
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+    tap_layers = ()
+    max_draft_tokens = 64
+
+    def __init__(self, cfg: NgramConfig | None = None):
+        self.cfg = cfg or NgramConfig()
+
+    def new_state(self, capacity: int) -> DrafterState:
+        return DrafterState()
+
+    def match(self, ids: torch.Tensor, n: int) -> tuple[int, int]:
+        """(size, start) of the longest suffix n-gram of ids[:n+1] (verified + pending token) that
+        occurred earlier, taking its most recent occurrence; start indexes the token after it.
+        (0, 0) when none of min_ngram..max_ngram matches."""
+        seq = ids[:n + 1]
+        for size in range(min(self.cfg.max_ngram, len(seq) - 1), self.cfg.min_ngram - 1, -1):
+            # windows starting at 0..len-1-size: every occurrence except the suffix itself
+            windows = seq[:-1].unfold(0, size, 1)
+            hits = (windows == seq[-size:]).all(dim=1).nonzero()
+            if hits.numel():
+                return size, int(hits[-1]) + size
+        return 0, 0
+
+    def propose(self, state: DrafterState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
+        size, start = self.match(ctx.ids, ctx.n)
+        if size == 0:
+            return Draft(ctx.ids[:0].clone())
+        # point-mass proposals: greedy verification, and exact rejection sampling for T > 0
+        return Draft(ctx.ids[start:min(start + num_tokens, ctx.n + 1)].clone())
