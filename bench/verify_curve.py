@@ -101,6 +101,23 @@ def hf_generate_tps(hf, tok, n: int = 128) -> float:
     return (out.shape[1] - ids.shape[1] - 1) / (total - prefill)
 
 
+def weight_stream_floor_ms(model, repeats: int) -> dict:
+    """What bounds bf16 decode: one GEMV streaming as many bf16 bytes as the model's linear weights
+    (one row through one [N, hidden] matrix, the best case for the memory system), and the time
+    plain decode needs at least to read them once per token."""
+    n_bytes = sum(m.weight.numel() * 2 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    hidden = model.cfg.hidden_size
+    w = torch.randn(n_bytes // 2 // hidden, hidden, dtype=torch.bfloat16)
+    x = torch.randn(1, hidden, dtype=torch.bfloat16)
+    ts = []
+    for _ in range(repeats + 2):
+        t0 = time.perf_counter()
+        torch.nn.functional.linear(x, w)
+        ts.append(time.perf_counter() - t0)
+    ms = statistics.median(ts[2:]) * 1000
+    return {"bf16_weight_bytes": n_bytes, "stream_ms": ms, "gb_per_s": n_bytes / ms / 1e6}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", default="bench/results/verify_curve.json")
@@ -114,6 +131,8 @@ def main() -> None:
     models = {"float32": load_target(None, "float32")[0], "bfloat16": load_target(None, "bfloat16")[0],
               "int8": load_target(None, "bfloat16", "int8")[0], "int4": load_target(None, "bfloat16", "int4")[0]}
 
+    floor = weight_stream_floor_ms(models["bfloat16"], 3 * args.repeats)
+    print("bf16 weight stream floor:", {k: round(v, 2) for k, v in floor.items()})
     curves = {name: verify_times(m, args.repeats) for name, m in models.items()}
     decode = {name: plain_decode_tps(m, tok) for name, m in models.items()}
     decode["hf_generate_float32"] = hf_generate_tps(hf32, tok)
@@ -134,6 +153,7 @@ def main() -> None:
         "verify_ms": curves,
         "verify_ratio": {n: {k: c[k] / c[1] for k in KS} for n, c in curves.items()},
         "plain_decode_tokens_per_s": decode,
+        "bf16_weight_stream_floor": floor,
         "engine_vs_transformers": {"float32": decode["float32"] / decode["hf_generate_float32"],
                                    "bfloat16": decode["bfloat16"] / decode["hf_generate_bfloat16"],
                                    "int8_vs_hf_bfloat16": decode["int8"] / decode["hf_generate_bfloat16"],
