@@ -3,8 +3,8 @@ proposer): the draft is whatever followed the most recent earlier occurrence of 
 n tokens. No weights, no target features, microseconds per proposal.
 
 It shines where the answer copies its context (extraction, RAG, summaries, code edits, tool
-calls that repeat arguments) and finds nothing in free text; with no match it drafts nothing and
-the round is a plain decode step, so it never costs a wasted verify.
+calls that repeat arguments) and finds little in free text; with no match it drafts nothing and
+the round is a plain decode step, so text that never repeats costs (almost) nothing extra.
 """
 from __future__ import annotations
 
