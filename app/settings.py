@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from whiflash_core.engine import Method
+from whiflash_core.target import WeightFormat
 
 
 class Settings(BaseSettings):
@@ -17,7 +18,7 @@ class Settings(BaseSettings):
     model: str | None = Field(None, description="HF model directory or .gguf (default: embedded SmolLM2)")
     drafters: str | None = Field(None, description="drafter directory (default: the shipped drafters)")
     dtype: Literal["bfloat16", "float32", "float64", "float16"] = "bfloat16"
-    weights: Literal["dense", "int8", "int4"] = Field(
+    weights: WeightFormat = Field(
         "dense", description="int4: the GGUF's Q4_1 blocks, int8: per-row int8 linears (bfloat16 only)")
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     served_model_name: str | None = None

@@ -84,7 +84,7 @@ def test_int8_drafters_propose_what_the_dense_ones_do_on_a_real_context():
     from whiflash_core.chat import encode_chat
     from whiflash_core.drafters.base import Context, DraftSampling
     from whiflash_core.loading import load_engine
-    from whiflash_core.quant import quantize_drafter
+    from whiflash_core.quant import quantize_int8
 
     engine = load_engine(dtype="bfloat16")
     target, tok = engine.target, engine.tokenizer
@@ -95,7 +95,7 @@ def test_int8_drafters_propose_what_the_dense_ones_do_on_a_real_context():
     for name in ("eagle3", "dflash"):
         dense = engine.drafters[name]
         light = copy.deepcopy(dense)
-        assert quantize_drafter(light) > 5
+        assert quantize_int8(light) > 5
         assert all(not isinstance(m, torch.nn.Linear) for m in light.modules())
         agree = total = 0
         for n in range(len(ids) - 30, len(ids) - 1):  # draft from each of the last 29 prompt positions

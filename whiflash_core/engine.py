@@ -210,7 +210,8 @@ class Generation:
 
     def _route(self, n: int) -> str:
         """This round's drafter."""
-        if self.lookup_first and self.engine.drafters["ngram"].match(self.ids, n)[0] >= LOOKUP_FIRST_NGRAM:
+        ngram = self.engine.drafters["ngram"]
+        if self.lookup_first and ngram.match(self.states["ngram"], self.ids, n)[0] >= LOOKUP_FIRST_NGRAM:
             return "ngram"
         if len(self.routed) == 1:
             return self.routed[0]

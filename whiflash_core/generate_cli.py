@@ -19,7 +19,7 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
     p.add_argument("--prompts", required=True, help="JSONL: {'messages': [...]} or {'prompt': '...'} per line")
-    p.add_argument("--methods", default="none,eagle3,dflash,ngram,whiflash")
+    p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)

@@ -124,6 +124,16 @@ def causal_mask(n_new: int, n_past: int, device=None, dtype: torch.dtype = torch
     return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
+def attention_mask(n_new: int, n_past: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype,
+                   device=None) -> torch.Tensor | None:
+    """`causal_mask` in the exact form `attend` uses for these shapes (additive in `dtype`, rows
+    repeated per query group when `group_rows`), built once per forward instead of in every layer."""
+    mask = causal_mask(n_new, n_past, device, dtype)
+    if mask is not None and group_rows(n_new, n_heads, n_kv_heads, dtype):
+        mask = mask.repeat(n_heads // n_kv_heads, 1)
+    return mask
+
+
 def init_linear_(module: nn.Module, std: float = 0.02) -> None:
     for m in module.modules():
         if isinstance(m, nn.Linear):
@@ -137,5 +147,5 @@ def entropy_from_logits(logits: torch.Tensor) -> float:
     return float(-(logp.exp() * logp).sum())
 
 
-__all__ = ["RMSNorm", "SwiGLU", "Rotary", "apply_rope", "attend", "group_rows", "causal_mask", "init_linear_",
-           "entropy_from_logits", "math"]
+__all__ = ["RMSNorm", "SwiGLU", "Rotary", "apply_rope", "attend", "group_rows", "causal_mask", "attention_mask",
+           "init_linear_", "entropy_from_logits", "math"]

@@ -19,7 +19,7 @@ from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_NAME
 from .engine import Engine
 from .router import RouterCalibration
-from .quant import quantize_drafter
+from .quant import quantize_int8
 from .target import DENSE_FROM_ROWS, DTYPES, TargetModel, load_target
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,9 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
         print("warning: no trained drafters found; using randomly initialised drafters "
               "(output stays exact, but almost no draft token will be accepted)", file=sys.stderr)
         found = random_drafters(target)
-    if weights != "dense":  # drafters in the target's light format (see quantize_drafter)
+    if weights != "dense":  # a light target gets int8 drafters (see quantize_int8)
         for drafter in found.values():
-            quantize_drafter(drafter, DENSE_FROM_ROWS)
+            quantize_int8(drafter, DENSE_FROM_ROWS)
     calibration = RouterCalibration()
     if directory and os.path.exists(os.path.join(directory, "router.json")):
         calibration = RouterCalibration.load(os.path.join(directory, "router.json"))

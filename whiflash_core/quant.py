@@ -124,31 +124,23 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-def quantize_target_int8(model, dense_from_rows: int = 10**9, head_only: bool = False) -> int:
-    """Swap the target's linears (or only its LM head) for Int8Linear in place; returns the count."""
-    names = ["lm_head"] if head_only else [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, Int8Linear(getattr(parent, attr).weight, dense_from_rows))
-    return len(names)
+def quantize_int8(module: nn.Module, dense_from_rows: int = 10**9, names: list[str] | None = None) -> int:
+    """Swap bias-free linears of `module` (all of them, or those named) for Int8Linear in place;
+    returns the count. Linears with a bias stay dense (Int8Linear has none).
 
-
-def quantize_drafter(drafter: nn.Module, dense_from_rows: int = 10**9) -> int:
-    """Every bias-free linear of a drafter as per-row int8 (`Int8Linear`), in place; returns the count.
-
-    A drafter step is bound by reading its weights (EAGLE-3: ~18 MB of bf16 per chain step, half of
-    it the draft-vocabulary head), so a light target gets light drafters. Drafter numerics never
-    touch losslessness (the target verifies every draft token); they can only cost acceptance.
-    int8 rather than int4: on a real context int8 drafters proposed the dense drafters' tokens
-    96-99 % of the time, int4 (blocks of 32) 83-92 %, for a 0.2 ms shorter EAGLE-3 round
-    (runs/ probe, story prompt). Dense copies stay for long catch-up passes.
+    Used for `--weights int8` targets, the LM head of `--weights int4`, and the drafters of a light
+    target: a drafter step is bound by reading its weights (EAGLE-3: ~18 MB of bf16 per chain step,
+    half of it the draft-vocabulary head). Drafter numerics never touch losslessness (the target
+    verifies every draft token); they can only cost acceptance. int8 rather than int4 drafters: on a
+    real context they proposed the dense drafters' tokens 96-99 % of the time, int4 (blocks of 32)
+    83-92 %, for a 0.2 ms shorter EAGLE-3 round.
     """
-    names = [n for n, m in drafter.named_modules() if isinstance(m, nn.Linear) and m.bias is None]
+    if names is None:
+        names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and m.bias is None]
     for name in names:
         parent_name, _, attr = name.rpartition(".")
-        parent = drafter.get_submodule(parent_name) if parent_name else drafter
-        setattr(parent, attr, Int8Linear(getattr(parent, attr).weight.detach().to(torch.bfloat16), dense_from_rows))
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, Int8Linear(getattr(parent, attr).weight, dense_from_rows))
     return len(names)
 
 

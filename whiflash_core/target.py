@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .layers import RMSNorm, Rotary, apply_rope, attend, causal_mask, group_rows
+from .layers import RMSNorm, Rotary, apply_rope, attend, attention_mask
 
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
           "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
@@ -190,10 +191,7 @@ class TargetModel(nn.Module):
         start = cache.length
         cache.reserve(t)
         cos, sin = self.rotary.tables(slice(start, start + t), self.dtype)
-        # built once per forward in the form every layer's attention uses
-        mask = causal_mask(t, start, tokens.device, self.dtype)
-        if mask is not None and group_rows(t, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype):
-            mask = mask.repeat(self.cfg.num_heads // self.cfg.num_kv_heads, 1)
+        mask = attention_mask(t, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, tokens.device)
         h, tap_tensor = self.run_layers(self.embed_tokens(tokens), cos, sin, cache.k, cache.v, start, mask, taps)
         cache.length = start + t
         return TargetOutput(logits=self.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h)
@@ -281,7 +279,8 @@ def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
     return state
 
 
-WEIGHT_FORMATS = ("dense", "int8", "int4")
+WeightFormat = Literal["dense", "int8", "int4"]
+WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 DENSE_FROM_ROWS = 24
 
 
@@ -301,15 +300,15 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
     # for long prefills (measured: bench/verify_curve.py), so keep both and switch at DENSE_FROM_ROWS.
     if weights == "int4":
         from .embedded import EMBEDDED_GGUF, embedded_model_dir
-        from .quant import quantize_target_int4, quantize_target_int8
+        from .quant import quantize_int8, quantize_target_int4
 
         gguf_path = path if path and path.endswith(".gguf") else os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
         quantize_target_int4(model, gguf_path, dense_from_rows=DENSE_FROM_ROWS)
-        quantize_target_int8(model, dense_from_rows=DENSE_FROM_ROWS, head_only=True)  # the head is not Q4_1
+        quantize_int8(model, DENSE_FROM_ROWS, names=["lm_head"])  # the head is not Q4_1
     elif weights == "int8":
-        from .quant import quantize_target_int8
+        from .quant import quantize_int8
 
-        quantize_target_int8(model, dense_from_rows=DENSE_FROM_ROWS)
+        quantize_int8(model, DENSE_FROM_ROWS)
     elif weights not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
     return model, tok

@@ -36,7 +36,7 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", help="JSONL: Spec-Bench records or chat conversations {category, messages, tools?}")
     p.add_argument("--categories", default=None, help="comma-separated categories to keep (default: all)")
-    p.add_argument("--methods", default="none,eagle3,dflash,ngram,whiflash")
+    p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--limit", type=int, default=None, help="prompts per category (default: all)")
     p.add_argument("--repeats", type=int, default=1, help="timed runs per (prompt, method); medians are kept")

@@ -22,6 +22,11 @@ class NgramConfig:
     num_draft_tokens: int = 3   # default draft length (one 4-row block of the CPU int4 verify)
 
 
+class NgramState(DrafterState):
+    def __init__(self):
+        self.last: tuple[int, tuple[int, int]] | None = None  # (n, match) of the latest search
+
+
 class NgramDrafter(Drafter):
     name = "ngram"
     tap_layers = ()
@@ -30,14 +35,20 @@ class NgramDrafter(Drafter):
     def __init__(self, cfg: NgramConfig | None = None):
         self.cfg = cfg or NgramConfig()
 
-    def new_state(self, capacity: int) -> DrafterState:
-        return DrafterState()
+    def new_state(self, capacity: int) -> NgramState:
+        return NgramState()
 
-    def match(self, ids: torch.Tensor, n: int) -> tuple[int, int]:
+    def match(self, state: NgramState, ids: torch.Tensor, n: int) -> tuple[int, int]:
         """(size, start) of the longest suffix n-gram of ids[:n+1] (verified + pending token) that
         occurred earlier, taking its most recent occurrence; start indexes the token after it.
-        (0, 0) when none of min_ngram..max_ngram matches."""
-        seq = ids[:n + 1]
+        (0, 0) when none of min_ngram..max_ngram matches. ids[:n+1] never changes for a given n
+        within a request, so the last answer is kept: a router asking first costs no second search."""
+        if state.last is not None and state.last[0] == n:
+            return state.last[1]
+        state.last = (n, self._search(ids[:n + 1]))
+        return state.last[1]
+
+    def _search(self, seq: torch.Tensor) -> tuple[int, int]:
         for size in range(min(self.cfg.max_ngram, len(seq) - 1), self.cfg.min_ngram - 1, -1):
             # windows starting at 0..len-1-size: every occurrence except the suffix itself
             windows = seq[:-1].unfold(0, size, 1)
@@ -46,8 +57,11 @@ class NgramDrafter(Drafter):
                 return size, int(hits[-1]) + size
         return 0, 0
 
-    def propose(self, state: DrafterState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
-        size, start = self.match(ctx.ids, ctx.n)
+    def rollback(self, state: NgramState, n: int) -> None:
+        state.last = None  # a rewound context may get another token at the same position
+
+    def propose(self, state: NgramState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
+        size, start = self.match(state, ctx.ids, ctx.n)
         if size == 0:
             return Draft(ctx.ids[:0].clone())
         # point-mass proposals: greedy verification, and exact rejection sampling for T > 0
