@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test setup bench clean
+.PHONY: run test test-avx2 setup bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -25,6 +25,12 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# The numerics-sensitive tests with the AVX2 kernels forced (PyTorch, oneDNN, MKL): what a CPU
+# without AVX-512 or native bf16 runs, approximated on any newer x86 CPU.
+AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-avx2: $(STAMP)
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -m 'numerics and not slow'
 
 bench: $(STAMP)
 	$(BIN)/whiflash bench --workload bench/workload_small.jsonl --out bench/results/small.json

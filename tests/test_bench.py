@@ -221,6 +221,7 @@ def test_http_runner(gateway, reject_trace):
 # -- one real run of the command --------------------------------------------------------------
 
 
+@pytest.mark.numerics
 def test_bench_command_smoke_float32(tmp_path, capsys):
     """Two short prompts, every method, float32: the JSON must say all methods agree with none."""
     import torch

@@ -11,6 +11,9 @@ from whiflash_core.engine import METHODS, Engine, GenerationRequest, Speculation
 from whiflash_core.loading import SHIPPED_DRAFTERS, load_drafters
 from whiflash_core.target import from_hf, load_hf_model
 
+# exact identity across methods in float32: rerun with the AVX2 kernels forced (.ci/run)
+pytestmark = pytest.mark.numerics
+
 PROMPTS = [
     [{"role": "user", "content": "What is a hash table? Answer in two sentences."}],
     [{"role": "system", "content": "You are a terse assistant."},

@@ -15,6 +15,9 @@ from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.loading import random_drafters
 from whiflash_core.target import from_hf, load_hf_model
 
+# exact identity across methods in float32: rerun with the AVX2 kernels forced (.ci/run)
+pytestmark = pytest.mark.numerics
+
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"},

@@ -7,6 +7,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from whiflash_core.target import from_hf
 
+# float64 logits against transformers: rerun with the AVX2 kernels forced (.ci/run)
+pytestmark = pytest.mark.numerics
+
 
 def _hf(kind: str):
     torch.manual_seed(0)
