@@ -46,6 +46,7 @@ _BFCL_FILES = (
     "live_simple", "irrelevance", "live_irrelevance", "live_relevance",
 )
 _CC_BY_NC = "code Apache-2.0; data CC BY-NC 4.0 (repo DATA_LICENSE)"
+_CC_BY_SA = "CC BY-SA 4.0"
 
 SOURCES: dict[str, SourceInfo] = {
     info.name: info
@@ -63,6 +64,33 @@ SOURCES: dict[str, SourceInfo] = {
                    "hiyouga/LLaMA-Factory : data/reason_tool_use_demo_50.jsonl", 3),
         SourceInfo("gpteacher_toolformer", "MIT",
                    "teknium1/GPTeacher : Toolformer/toolformer-dedupe-only-dataset.json", 4),
+        # prompt sets built for the kinds of text Spec-Bench has and the first sets lacked
+        # (translation, summarization, passage QA, multi-turn chat, turns right after a tool
+        # result); one `{id, source, messages, tools?}` JSONL schema, read by `load_generic`
+        *[
+            SourceInfo(name, licence, origin, 1)
+            for name, licence, origin in [
+                ("ntrex128_translation", _CC_BY_SA, "MicrosoftTranslator/NTREX : NTREX-128/newstest2019-*"),
+                ("xquad_paragraph_translation", _CC_BY_SA, "google-deepmind/xquad : xquad.*.json"),
+                ("ntrex128_news_summarization", _CC_BY_SA, "MicrosoftTranslator/NTREX : NTREX-128/newstest2019-*"),
+                ("qmsum_meeting_summarization",
+                 "repo MIT; AMI / ICSI transcripts CC BY 4.0; Welsh Parliament committee records",
+                 "Yale-LILY/QMSum : data/ALL/{train,val}/*.json"),
+                ("scitldr_abstract_summarization", "Apache-2.0 (repo; no separate data licence)",
+                 "allenai/scitldr : SciTLDR-Data/SciTLDR-A/train.jsonl"),
+                ("xquad_wiki_summarization", _CC_BY_SA, "google-deepmind/xquad : xquad.*.json"),
+                ("xquad_rag_qa", _CC_BY_SA, "google-deepmind/xquad : xquad.*.json"),
+                ("pubmedqa_rag_qa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json"),
+                ("cmrc2018_rag_qa", _CC_BY_SA, "ymcui/cmrc2018 : squad-style-data/cmrc2018_dev.json"),
+                ("oasst_en100_multiturn", "Apache-2.0",
+                 "LAION-AI/Open-Assistant : model/model_eval/manual/data/en_100_tree.jsonl"),
+                ("xquad_passage_multiturn", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json"),
+                ("sgd_task_multiturn", _CC_BY_SA,
+                 "google-research-datasets/dstc8-schema-guided-dialogue : train/dialogues_*.json"),
+                ("sgd_tool_results", _CC_BY_SA,
+                 "google-research-datasets/dstc8-schema-guided-dialogue : train/dialogues_*.json, train/schema.json"),
+            ]
+        ],
         SourceInfo("alpaca_en_demo",
                    "repo Apache-2.0; content appears to be Alpaca-GPT4 data (upstream CC BY-NC 4.0)",
                    "hiyouga/LLaMA-Factory : data/alpaca_en_demo.json", 5),
