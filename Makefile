@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# int4 = the GGUF's own Q4_1 blocks (LM head int8): the fastest measured target format for whole
-# speculative rounds (bench/results/specbench_trained_int4.json against specbench_trained.json).
+# The target's formats are timed on this CPU at first start and cached (`whiflash info` shows the
+# table): int4 decode with a float32 prefill twin where bf16 is emulated, int4 + bf16 where native.
 run: $(STAMP)
-	$(BIN)/whiflash serve --host 127.0.0.1 --port 8000 --weights int4
+	$(BIN)/whiflash serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -21,7 +21,9 @@ def add_parser(sub) -> None:
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--dtype", default=None, choices=["bfloat16", "float32", "float64", "float16"])
     p.add_argument("--weights", default=None, choices=WEIGHT_FORMATS,
-                   help="int4: the GGUF's Q4_1 blocks through the CPU int4 matmul, LM head int8; int8: every linear per-row int8 (bfloat16 only)")
+                   help="auto (default): the formats this CPU runs fastest, timed per phase and cached "
+                        "(whiflash info); int4: the GGUF's Q4_1 blocks through the CPU int4 matmul, LM head "
+                        "int8; int8: every linear per-row int8; dense: the dtype's own weights")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")

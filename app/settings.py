@@ -19,7 +19,8 @@ class Settings(BaseSettings):
     drafters: str | None = Field(None, description="drafter directory (default: the shipped drafters)")
     dtype: Literal["bfloat16", "float32", "float64", "float16"] = "bfloat16"
     weights: WeightFormat = Field(
-        "dense", description="int4: the GGUF's Q4_1 blocks, int8: per-row int8 linears (bfloat16 only)")
+        "auto", description="auto: timed on this CPU per phase (whiflash info); int4: the GGUF's Q4_1 "
+                            "blocks; int8: per-row int8 linears; dense: the dtype's own weights")
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     served_model_name: str | None = None
     api_key: str | None = None

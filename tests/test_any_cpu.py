@@ -64,7 +64,7 @@ def replay_greedy(calls: list[tuple[list[int], torch.Tensor]]) -> list[int]:
 
 # dense bf16, and what `make run` serves: the formats timed on this CPU (int4 with a float32 prefill
 # twin where bf16 is emulated, int4 in bf16 where it is native)
-@pytest.fixture(scope="module", params=["dense", "int4"])
+@pytest.fixture(scope="module", params=["dense", "auto"])
 def engine(request):
     return load_engine(dtype="bfloat16", weights=request.param)
 
@@ -116,7 +116,7 @@ WEATHER_Q = [{"role": "user", "content": "What's the weather like in Paris today
 def default_server(tmp_path_factory):
     from conftest import start_server
 
-    server = start_server("--weights", "int4", log_dir=tmp_path_factory.mktemp("int4-server"))
+    server = start_server(log_dir=tmp_path_factory.mktemp("default-server"))  # --weights auto
     yield server
     server.stop()
 

@@ -1,4 +1,4 @@
-"""`whiflash` command line: generate, serve, bench, train.
+"""`whiflash` command line: generate, serve, bench, train, info.
 
 Each subcommand lives in its own module and registers itself through `add_parser(subparsers)`;
 modules are imported lazily so `whiflash --help` stays fast.
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "serve": "app.serve_cli",
     "bench": "whiflash_core.bench.cli",
     "train": "whiflash_core.training.cli",
+    "info": "whiflash_core.info_cli",
 }
 
 

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--eagle3", default=None, help="EAGLE-3 checkpoint directory (SafeAILab or speculators)")
     p.add_argument("--dflash", default=None, help="DFlash checkpoint directory (z-lab format)")
-    p.add_argument("--weights", default="dense", choices=WEIGHT_FORMATS,
+    p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                    help="int4: the GGUF's Q4_1 blocks through the CPU int4 matmul, LM head int8; int8: every linear per-row int8 (bfloat16 only)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--trace", action="store_true", help="include per-token sources")

@@ -88,7 +88,8 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
         print("warning: no trained drafters found; using randomly initialised drafters "
               "(output stays exact, but almost no draft token will be accepted)", file=sys.stderr)
         found = random_drafters(target)
-    if weights != "dense":  # a light target gets int8 drafters (see quantize_int8)
+    chosen = target.formats.weights if target.formats is not None else weights
+    if chosen != "dense":  # a light target gets int8 drafters (see quantize_int8)
         for drafter in found.values():
             quantize_int8(drafter, DENSE_FROM_ROWS)
     calibration = RouterCalibration()

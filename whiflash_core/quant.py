@@ -71,18 +71,20 @@ def read_q4_1_linears(gguf_path: str, num_heads: int, num_kv_heads: int) -> dict
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as packed int4 + per-group (scale, zero); bias-free.
 
-    `weight` is the optional dense bf16 copy used from `dense_from_rows` rows on (None if not kept).
+    Activations (and scales) are in `dtype`: bf16 where the CPU has native bf16, float32 where bf16
+    is emulated (the kernel takes either). `weight` is the optional dense copy (in `dtype`) used
+    from `dense_from_rows` rows on (None if not kept).
     """
 
     def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray, dense: torch.Tensor | None = None,
-                 dense_from_rows: int = 10**9):
+                 dense_from_rows: int = 10**9, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
         n, k = q.shape
         self.in_features, self.out_features = k, n
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         scale = torch.from_numpy(d)
         zero = torch.from_numpy(m) + 8 * scale
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
         self.weight = dense
         self.dense_from_rows = dense_from_rows
 
@@ -92,13 +94,14 @@ class Int4Linear(nn.Module):
         if self.weight is not None and x2.shape[0] >= self.dense_from_rows:
             y = nn.functional.linear(x2, self.weight)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(torch.bfloat16).contiguous(), self.packed,
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.scales_and_zeros.dtype).contiguous(), self.packed,
                                                           GROUP, self.scales_and_zeros)
         return y.reshape(*shape[:-1], self.out_features)
 
 
 class Int8Linear(nn.Module):
-    """y = x @ W.T with W as int8 and one bf16 scale per output row; bias-free.
+    """y = x @ W.T with W as int8 and one scale per output row (in the dense weight's dtype, which is
+    also the activation dtype); bias-free.
 
     `weight` stays the dense tensor (shared, e.g. the tied embedding: no copy), for long inputs and
     for readers of `.weight` such as the float32 top-k refinement.
@@ -110,7 +113,7 @@ class Int8Linear(nn.Module):
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scale.to(torch.bfloat16)
+        self.scales = scale.to(weight.dtype)
         self.weight = weight
         self.dense_from_rows = dense_from_rows
 
@@ -120,7 +123,7 @@ class Int8Linear(nn.Module):
         if x2.shape[0] >= self.dense_from_rows:
             y = nn.functional.linear(x2, self.weight)
         else:
-            y = torch._weight_int8pack_mm(x2.to(torch.bfloat16).contiguous(), self.q, self.scales)
+            y = torch._weight_int8pack_mm(x2.to(self.scales.dtype).contiguous(), self.q, self.scales)
         return y.reshape(*shape[:-1], self.out_features)
 
 
@@ -171,7 +174,7 @@ def quantize_target_int4(model, gguf_path: str, dense_from_rows: int = 10**9) ->
         deq = deq.reshape(q.shape)
         if not torch.allclose(deq.to(w.dtype).float(), w.float(), rtol=0, atol=1e-2 * float(w.abs().max())):
             raise ValueError(f"{name}: GGUF Q4_1 blocks do not match the loaded weights")
-        dense = w.to(torch.bfloat16) if dense_from_rows < 10**9 else None
-        setattr(parent, attr, Int4Linear(q, d, m, dense, dense_from_rows))
+        dense = w if dense_from_rows < 10**9 else None
+        setattr(parent, attr, Int4Linear(q, d, m, dense, dense_from_rows, dtype=w.dtype))
         swapped += 1
     return swapped

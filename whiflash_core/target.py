@@ -178,6 +178,20 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    # A long input (prefill) may run through a float32 twin of this model: where the CPU emulates
+    # bf16, a float32 GEMM is several times faster than a bf16 one (a 256-row prefill of SmolLM2
+    # took 1.7 s in float32 against 12.7 s in bf16 on an AVX2 EPYC), while the int4 kernels that
+    # decode fastest take bf16 activations only at speed. See `whiflash_core.machine`.
+    prefill_twin: "TargetModel | None" = None
+    prefill_from_rows: int = 10**9
+
+    def set_prefill_twin(self, twin: "TargetModel", from_rows: int) -> None:
+        """Run forwards of `from_rows` rows or more through `twin` (same weights, other dtype).
+        The twin is kept out of this module's submodules, so `.to()`, state dicts and weight swaps
+        of this model never touch it."""
+        self.__dict__["prefill_twin"] = twin
+        self.__dict__["prefill_from_rows"] = from_rows
+
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype,
@@ -188,6 +202,8 @@ class TargetModel(nn.Module):
                 logits_from: int = 0) -> TargetOutput:
         """Run `tokens` (1-D) at positions cache.length..; append their K/V; advance the cache."""
         t = tokens.shape[0]
+        if t >= self.prefill_from_rows and self.prefill_twin is not None:
+            return self._forward_in_twin(tokens, cache, taps, logits_from)
         start = cache.length
         cache.reserve(t)
         cos, sin = self.rotary.tables(slice(start, start + t), self.dtype)
@@ -195,6 +211,22 @@ class TargetModel(nn.Module):
         h, tap_tensor = self.run_layers(self.embed_tokens(tokens), cos, sin, cache.k, cache.v, start, mask, taps)
         cache.length = start + t
         return TargetOutput(logits=self.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h)
+
+    def _forward_in_twin(self, tokens, cache: KVCache, taps: tuple[int, ...], logits_from: int) -> TargetOutput:
+        """The same forward computed by the prefill twin: the cached prefix is handed to it in its
+        dtype, and the new K/V, taps and hidden states come back in ours (logits are float32)."""
+        twin, start, t = self.prefill_twin, cache.length, tokens.shape[0]
+        scratch = twin.new_cache(start + t)
+        scratch.k[:, :, :start] = cache.k[:, :, :start]
+        scratch.v[:, :, :start] = cache.v[:, :, :start]
+        scratch.length = start
+        out = twin(tokens, scratch, taps, logits_from)
+        cache.reserve(t)
+        cache.k[:, :, start:start + t] = scratch.k[:, :, start:start + t]
+        cache.v[:, :, start:start + t] = scratch.v[:, :, start:start + t]
+        cache.length = start + t
+        return TargetOutput(logits=out.logits, taps=None if out.taps is None else out.taps.to(self.dtype),
+                            last_hidden=out.last_hidden.to(self.dtype))
 
     def run_layers(self, x, cos, sin, k_cache, v_cache, start: int, mask, taps: tuple[int, ...]):
         """Decoder layers + final norm: (h [T, hidden], taps [T, n_taps, hidden] or None)."""
@@ -217,7 +249,8 @@ class TargetModel(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32 logits of final-norm hidden states h."""
         logits = self.lm_head(h).float()
-        if self.dtype in (torch.float32, torch.float64) or self.refine_top <= 0:
+        exact_head = isinstance(self.lm_head, nn.Linear) and self.dtype in (torch.float32, torch.float64)
+        if exact_head or self.refine_top <= 0:  # a light (int8) head needs the refinement in float32 too
             return logits
         top = logits.topk(self.refine_top, dim=-1).indices           # [rows, k]
         w = self.lm_head.weight[top].float()                         # [rows, k, hidden]
@@ -279,36 +312,62 @@ def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
     return state
 
 
-WeightFormat = Literal["dense", "int8", "int4"]
+WeightFormat = Literal["auto", "dense", "int8", "int4"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 DENSE_FROM_ROWS = 24
 
 
-def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense"):
+def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense",
+                formats=None):
     """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default.
 
     weights="int4" runs the GGUF's own Q4_1 blocks through the CPU int4 matmul (LM head int8);
     weights="int8" quantises every linear per output row (any target). See quant.py.
+    weights="auto" lets `whiflash_core.machine` time the formats on this CPU and pick per phase
+    (bf16 activations only: an explicit float32 is the exact reference path and stays dense);
+    `formats` (a `machine.Formats`) imposes a choice instead.
     """
+    from .embedded import EMBEDDED_GGUF, embedded_model_dir
+
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     hf_model, tok = load_hf_model(path)
+    gguf_path = path if path and path.endswith(".gguf") else (
+        os.path.join(embedded_model_dir(), EMBEDDED_GGUF) if path is None else None)
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
+    if weights == "auto" and formats is None:
+        if dt == torch.bfloat16:
+            from .machine import formats_from, measure
+
+            light = ("int4", "int8") if gguf_path else ("int8",)
+            formats = formats_from(measure(TargetConfig.from_hf(hf_model.config), light))
+        else:
+            weights = "dense"
+    prefill_dt, prefill_from = dt, DENSE_FROM_ROWS
+    if formats is not None:
+        dt, weights = DTYPES[formats.dtype], formats.weights
+        prefill_dt, prefill_from = DTYPES[formats.prefill_dtype], formats.prefill_from_rows
+    if weights in ("int4", "int8") and dt not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{weights} weights run with bfloat16 or float32 activations")
     model = from_hf(hf_model, dt)
+    twin = from_hf(hf_model, prefill_dt) if prefill_dt != dt and prefill_from < 10**9 else None
     del hf_model
-    if weights in ("int4", "int8") and dt != torch.bfloat16:
-        raise ValueError(f"{weights} weights run with bfloat16 activations (--dtype bfloat16)")
-    # The light formats win while few rows are multiplied (decode, verify); the dense bf16 GEMM wins
-    # for long prefills (measured: bench/verify_curve.py), so keep both and switch at DENSE_FROM_ROWS.
+    # The light formats win while few rows are multiplied (decode, verify); a dense GEMM wins for
+    # long prefills (measured: bench/verify_curve.py, whiflash_core/machine.py), so keep a dense
+    # path and switch at `prefill_from` rows: a twin in another dtype, or this model's own weights.
+    dense_from = 10**9 if twin is not None else prefill_from
     if weights == "int4":
-        from .embedded import EMBEDDED_GGUF, embedded_model_dir
         from .quant import quantize_int8, quantize_target_int4
 
-        gguf_path = path if path and path.endswith(".gguf") else os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
-        quantize_target_int4(model, gguf_path, dense_from_rows=DENSE_FROM_ROWS)
-        quantize_int8(model, DENSE_FROM_ROWS, names=["lm_head"])  # the head is not Q4_1
+        if gguf_path is None:
+            raise ValueError("int4 weights need a GGUF with Q4_1 blocks (the embedded default or a .gguf path)")
+        quantize_target_int4(model, gguf_path, dense_from_rows=dense_from)
+        quantize_int8(model, dense_from, names=["lm_head"])  # the head is not Q4_1
     elif weights == "int8":
         from .quant import quantize_int8
 
-        quantize_int8(model, DENSE_FROM_ROWS)
-    elif weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
+        quantize_int8(model, dense_from)
+    if twin is not None:
+        model.set_prefill_twin(twin, prefill_from)
+    model.formats = formats
     return model, tok

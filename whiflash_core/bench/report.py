@@ -44,6 +44,11 @@ def machine_info(dtype: str, threads: int) -> dict:
         "cpu": _cpuinfo_field("model name") or platform.processor() or "unknown",
         "cores": os.cpu_count(),
         "cpu_flags": [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags],
+        "cpu_flags_all": " ".join(flags),  # what lscpu prints as Flags
+        # the kernels torch dispatches to, and any forced with ATEN_CPU_CAPABILITY & co
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "forced_isa": {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                                                   "MKL_ENABLE_INSTRUCTIONS") if k in os.environ},
         "memory_gib": mem_gib,
         "platform": platform.platform(),
         "python": platform.python_version(),

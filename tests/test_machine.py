@@ -1,0 +1,132 @@
+"""`--weights auto`: formats timed on the machine at hand, and the float32 prefill twin."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from tiny import tiny_target
+from whiflash_core.engine import METHODS, Engine, GenerationRequest, SpeculationConfig
+from whiflash_core.machine import PREFILL_ROWS, Formats, choose, measure
+
+CANDIDATES = [("bfloat16", "int4"), ("bfloat16", "int8"), ("bfloat16", "dense"), ("float32", "dense")]
+
+
+def table(bf16_ms_per_row: float, f32_ms_per_row: float) -> dict:
+    """A synthetic timing table: light formats cost 8 ms + 2 ms/row, dense ones 12-20 ms + rows x ms/row."""
+    rows = (1, 4, 8) + PREFILL_ROWS
+    return {
+        "bfloat16/int4": {r: (8 + 2 * r) / 1e3 for r in rows},
+        "bfloat16/int8": {r: (9 + 2 * r) / 1e3 for r in rows},
+        "bfloat16/dense": {r: (12 + bf16_ms_per_row * r) / 1e3 for r in rows},
+        "float32/dense": {r: (20 + f32_ms_per_row * r) / 1e3 for r in rows},
+    }
+
+
+def test_choice_on_a_cpu_that_emulates_bf16():
+    # bf16 GEMMs slow (emulated), float32 ones fast: int4 decode, float32 prefill twin
+    f = choose(table(bf16_ms_per_row=20, f32_ms_per_row=1), CANDIDATES)
+    assert (f.dtype, f.weights, f.prefill_dtype) == ("bfloat16", "int4", "float32")
+    # the twin takes over from the first measured row count where it is cheaper: 20+r < 8+2r from r=16
+    assert f.prefill_from_rows == 16
+
+
+def test_choice_on_a_cpu_with_native_bf16():
+    f = choose(table(bf16_ms_per_row=0.5, f32_ms_per_row=1), CANDIDATES)
+    assert (f.dtype, f.weights, f.prefill_dtype) == ("bfloat16", "int4", "bfloat16")
+    assert f.prefill_from_rows == 8  # 12 + r/2 < 8 + 2r from r=3 on; 8 is the first measured count
+
+
+def test_choice_prefers_the_lighter_format_within_noise_and_dense_when_it_is_faster():
+    t = table(bf16_ms_per_row=0.5, f32_ms_per_row=1)
+    t["bfloat16/int8"] = {r: v * 0.97 for r, v in t["bfloat16/int4"].items()}  # 3 % faster: noise
+    assert choose(t, CANDIDATES).weights == "int4"
+    t["bfloat16/dense"] = {r: v / 10 for r, v in t["bfloat16/dense"].items()}
+    f = choose(t, CANDIDATES)
+    assert (f.weights, f.prefill_dtype, f.prefill_from_rows) == ("dense", "bfloat16", 10**9)
+
+
+def test_measure_times_the_candidates_and_caches_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    cfg = dataclasses.replace(tiny_target(torch.float32).cfg, hidden_size=64, intermediate_size=128, head_dim=16)
+    first = measure(cfg, ("int8",))
+    assert set(first["table"]) == {"bfloat16/int8", "bfloat16/dense", "float32/dense"}
+    assert all(t > 0 for row in first["table"].values() for t in row.values())
+    assert Formats(**first["formats"]).weights in ("int8", "dense")
+    assert first["machine"]["kernels"] and first["machine"]["torch"] == torch.__version__
+    (cached,) = tmp_path.glob("formats-*.json")
+    assert json.loads(cached.read_text()) == first
+    assert measure(cfg, ("int8",)) == first  # read back, not timed again
+
+
+def _run(model, chunks: list[torch.Tensor], taps=(1, 3)):
+    cache = model.new_cache(8)
+    outs = [model(c, cache, taps, logits_from=0) for c in chunks]
+    return outs, cache
+
+
+@pytest.mark.numerics
+def test_prefill_twin_computes_the_same_forward():
+    """A twin of the same dtype must give bit-identical logits, taps and cache: the plumbing (the
+    cached prefix handed over, the new K/V written back at the right offsets) is exact."""
+    model = tiny_target(torch.float64)
+    plain = copy.deepcopy(model)
+    model.set_prefill_twin(copy.deepcopy(model), from_rows=5)
+    ids = torch.randint(0, model.cfg.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
+    chunks = [ids[:12], ids[12:13], ids[13:16], ids[16:30], ids[30:31]]  # twin, 1 row, 3 rows, twin again
+    got, cache = _run(model, chunks)
+    want, ref = _run(plain, chunks)
+    for a, b in zip(got, want):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.taps, b.taps)
+        assert torch.equal(a.last_hidden, b.last_hidden)
+    assert cache.length == ref.length == 31
+    assert torch.equal(cache.k[:, :, :31], ref.k[:, :, :31]) and torch.equal(cache.v[:, :, :31], ref.v[:, :, :31])
+
+
+@pytest.mark.numerics
+def test_float32_twin_of_a_bf16_model_keeps_its_dtypes_and_stays_lossless():
+    model = tiny_target(torch.float32)
+    twin = copy.deepcopy(model)
+    model = model.to(torch.bfloat16)
+    model.set_prefill_twin(twin, from_rows=8)
+    assert model.prefill_twin is twin and "prefill_twin" not in dict(model.named_modules())
+    ids = torch.randint(0, model.cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(2))
+    (out,), cache = _run(model, [ids])
+    assert out.taps.dtype == out.last_hidden.dtype == cache.k.dtype == torch.bfloat16
+    (ref,), _ = _run(twin, [ids])
+    torch.testing.assert_close(out.logits, ref.logits)  # the twin computed it
+    # every method on a bf16 target with a float32 prefill twin emits the argmax of its verify forwards
+    from test_any_cpu import ForwardLog, replay_greedy
+    from tiny import tiny_dflash, tiny_eagle
+
+    engine = Engine(model, None, {"eagle3": tiny_eagle(model), "dflash": tiny_dflash(model)})
+    for method in METHODS:
+        log = ForwardLog(model)
+        gen = engine.generate(GenerationRequest(ids.tolist(), 24, stop_token_ids=[],
+                                                speculation=SpeculationConfig(method=method)))
+        log.close()
+        assert gen.output == replay_greedy(log.calls)[:24], method
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_light_formats_run_with_float32_activations(weights):
+    """The int4/int8 kernels take float32 activations too (what a float32 light target would use)."""
+    from whiflash_core.quant import Int4Linear, Int8Linear
+
+    w = torch.randn(64, 96)
+    x = torch.randn(3, 96)
+    if weights == "int8":
+        lin = Int8Linear(w)
+    else:
+        q = torch.randint(0, 16, (64, 96), dtype=torch.uint8).numpy()
+        d = (torch.rand(64, 3) * 0.1 + 0.01).numpy()
+        lin = Int4Linear(q, d, -8 * d, dtype=torch.float32)
+        w = torch.from_numpy((q.reshape(64, 3, 32) * d[..., None] - 8 * d[..., None]).reshape(64, 96))
+    y = lin(x)
+    assert y.dtype == torch.float32
+    ref = x @ w.T
+    torch.testing.assert_close(y, ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))

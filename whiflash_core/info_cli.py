@@ -1,0 +1,54 @@
+"""`whiflash info`: this CPU, the target formats timed on it, and the choice `--weights auto` makes.
+
+The first call times the candidates (a few seconds) and caches them; `--remeasure` times again.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("info", help="show the CPU and the target formats measured on it",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model directory or .gguf (default: embedded SmolLM2)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (part of the cache key)")
+    p.add_argument("--remeasure", action="store_true", help="ignore the cached table")
+    p.add_argument("--json", action="store_true", help="print the whole result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoConfig
+
+    from .embedded import EMBEDDED_GGUF, embedded_model_dir
+    from .machine import measure
+    from .target import TargetConfig
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    path, gguf = args.model, None
+    if path is None:
+        path, gguf = embedded_model_dir(), EMBEDDED_GGUF
+    elif path.endswith(".gguf"):
+        path, gguf = path.rsplit("/", 1) if "/" in path else (".", path)
+    cfg = TargetConfig.from_hf(AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {})))
+    result = measure(cfg, ("int4", "int8") if gguf else ("int8",), use_cache=not args.remeasure, verbose=True)
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return 0
+    m = result["machine"]
+    print(f"CPU: {m['cpu']} ({m['machine']}), ISA: {' '.join(m['isa']) or '-'}, torch kernels: {m['kernels']}"
+          + (f" (forced: {m['forced']})" if m["forced"] else ""))
+    print(f"threads: {m['threads']}, torch {m['torch']}; measured in {result['seconds']} s (cached)")
+    rows = sorted({int(r) for t in result["table"].values() for r in t})
+    print(f"{'format':<18}" + "".join(f"{f'T({r}) ms':>11}" for r in rows))
+    for name, t in result["table"].items():
+        print(f"{name:<18}" + "".join(f"{1e3 * t[str(r)]:>11.1f}" if str(r) in t else f"{'-':>11}" for r in rows))
+    f = result["formats"]
+    prefill = ("the same weights" if f["prefill_from_rows"] >= 10**9
+               else f"{f['prefill_dtype']} dense from {f['prefill_from_rows']} rows")
+    print(f"choice (--weights auto): decode/verify {f['dtype']} activations with {f['weights']} weights; "
+          f"prefill {prefill}")
+    return 0

@@ -1,0 +1,197 @@
+"""Measure the CPU at hand and pick the target's formats per phase (`--weights auto`).
+
+Which format is fastest depends on the machine, not on ours: on a CPU with native bf16 (AVX-512
+bf16, AMX) a bf16 GEMM is quick, while on an AVX2 CPU bf16 is emulated and a float32 prefill ran
+7x faster than a bf16 one; PyTorch's int4/int8 weight-only kernels decode fastest with bf16
+activations and crawl with float32 ones (6x slower, same AVX2 machine). So the engine times the
+candidates here, on the shapes of the model it is about to load, and picks per phase:
+
+- decode / verify (1-8 rows): the (activation dtype, weight format) with the cheapest
+  T(1) + T(4), a plain step plus the 4-row verify of a k=3 EAGLE-3 round;
+- prefill (many rows): bf16 or float32 dense, whichever runs a 128-row chunk faster; where that is
+  another dtype than decode's, the target gets a float32 twin for long inputs
+  (`TargetModel.set_prefill_twin`), from the smallest measured row count where the twin wins.
+
+Timing runs on random weights of the real shapes: a model with no layers (embedding, norm, head)
+and one with n = min(L, 8) layers give the whole model's cost as T0 + (L / n) * (Tn - T0) without
+building all of it. Each figure is the best of a few runs (interference only adds time). It takes
+seconds to a minute, once: it is cached per CPU model, ISA flags, thread count, torch
+version and model shape (in ~/.cache/whiflash, or $WHIFLASH_CACHE_DIR). `whiflash info` prints it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import re
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+DECODE_ROWS = (1, 4, 8)
+PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
+CONTEXT = 256  # cached positions the timed forwards attend to
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
+             "fma", "f16c", "asimd", "sve", "bf16")
+CACHE_VERSION = 2
+
+
+@dataclass(frozen=True)
+class Formats:
+    """What the target runs: `dtype` activations with `weights` for decode and verify, and long
+    inputs (>= prefill_from_rows) in `prefill_dtype` with dense weights."""
+    dtype: str = "bfloat16"
+    weights: str = "dense"
+    prefill_dtype: str = "bfloat16"
+    prefill_from_rows: int = 24
+
+
+# --------------------------------------------------------------------------- the machine
+
+def cpu_info() -> dict:
+    """CPU model, the ISA flags that decide kernels, threads and torch version."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            text = f.read()
+        m = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
+        model = m.group(1).strip() if m else model
+        m = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", text, re.M)
+        flags = set(m.group(1).split()) if m else set()
+    except OSError:
+        pass
+    forced = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+              if k in os.environ}
+    return {"cpu": model, "machine": platform.machine(), "isa": sorted(f for f in ISA_FLAGS if f in flags),
+            "kernels": torch.backends.cpu.get_cpu_capability(), "forced": forced,
+            "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+
+def _cache_path(key: dict) -> str:
+    root = os.environ.get("WHIFLASH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "whiflash")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return os.path.join(root, f"formats-{digest}.json")
+
+
+# --------------------------------------------------------------------------- timing
+
+def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str):
+    from .quant import Int4Linear, quantize_int8
+    from .target import TargetModel
+
+    small = dataclasses.replace(cfg, num_layers=layers)
+    torch.manual_seed(0)
+    model = TargetModel(small).to(dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    if weights == "int4":  # random Q4_1 blocks: only the kernel's speed matters here
+        rng = np.random.default_rng(0)
+        for name, mod in list(model.named_modules()):
+            if isinstance(mod, torch.nn.Linear) and mod.bias is None and name != "lm_head":
+                n, k = mod.weight.shape
+                q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+                d = np.full((n, k // 32), 0.01, np.float32)
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, Int4Linear(q, d, -8 * d, dtype=dtype))
+        quantize_int8(model, names=["lm_head"])
+    elif weights == "int8":
+        quantize_int8(model)
+    return model
+
+
+def _time_rows(model, rows: tuple[int, ...], reps: int) -> dict[int, float]:
+    """Best-of-reps seconds of a forward over r new rows after CONTEXT cached ones (fewer reps for
+    big row counts, whose relative noise is smaller)."""
+    ids = torch.randint(0, model.cfg.vocab_size, (CONTEXT + max(rows),), generator=torch.Generator().manual_seed(0))
+    cache = model.new_cache(CONTEXT + max(rows))
+    model(ids[:CONTEXT], cache, logits_from=CONTEXT - 1)
+    out = {}
+    for r in rows:
+        best = float("inf")
+        for _ in range(reps if r <= 8 else max(1, reps // 2)):
+            t0 = time.perf_counter()
+            model(ids[CONTEXT:CONTEXT + r], cache, logits_from=r - 1)
+            best = min(best, time.perf_counter() - t0)
+            cache.rollback(CONTEXT)
+        out[r] = best
+    return out
+
+
+def time_format(cfg, dtype: str, weights: str, rows: tuple[int, ...], reps: int = 5) -> dict[int, float]:
+    """Estimated seconds of a whole-model forward per row count: T0 + (L / n) * (Tn - T0)."""
+    from .target import DTYPES
+
+    n = min(cfg.num_layers, 8)
+    t0 = _time_rows(_random_model(cfg, 0, DTYPES[dtype], weights), rows, reps)
+    tn = _time_rows(_random_model(cfg, n, DTYPES[dtype], weights), rows, reps)
+    return {r: t0[r] + cfg.num_layers / n * max(tn[r] - t0[r], 0.0) for r in rows}
+
+
+# --------------------------------------------------------------------------- the choice
+
+def choose(table: dict[str, dict[int, float]], candidates: list[tuple[str, str]]) -> Formats:
+    """Pick formats from a timing table {"dtype/weights": {rows: seconds}} (see module doc);
+    `candidates` (dtype, weights) in order of preference."""
+    def round_cost(c: tuple[str, str]) -> float:
+        t = table[f"{c[0]}/{c[1]}"]
+        return t[1] + t[4]
+
+    # the first candidate within 5 % of the fastest: candidates come lightest first, and a lighter
+    # format also leaves memory bandwidth to the drafters
+    best = min(round_cost(c) for c in candidates)
+    dtype, weights = next(c for c in candidates if round_cost(c) <= 1.05 * best)
+    dense = {d: table[f"{d}/dense"] for d in ("bfloat16", "float32") if f"{d}/dense" in table}
+    prefill_dtype = min(dense, key=lambda d: dense[d][max(PREFILL_ROWS)])
+    decode = table[f"{dtype}/{weights}"]
+    # from how many rows the prefill path beats the decode format (measured row counts only)
+    wins = [r for r in PREFILL_ROWS if r in dense[prefill_dtype] and r in decode
+            and dense[prefill_dtype][r] < decode[r]]
+    from_rows = min(wins) if wins else max(PREFILL_ROWS)
+    if prefill_dtype == dtype and weights == "dense":
+        from_rows = 10**9  # one path for every row count
+    return Formats(dtype, weights, prefill_dtype, from_rows)
+
+
+def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = True, verbose: bool = False) -> dict:
+    """Time the candidates for this machine and model shape; returns {"machine", "table", "formats"}.
+
+    `light_formats` are the weight formats the model can load besides dense (int4 needs the GGUF's
+    Q4_1 blocks). Cached on disk per machine and shape.
+    """
+    info = cpu_info()
+    shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                           "num_heads", "num_kv_heads", "head_dim")}
+    key = {"v": CACHE_VERSION, "machine": info, "shape": shape, "light": sorted(light_formats)}
+    path = _cache_path(key)
+    if use_cache and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    started = time.perf_counter()
+    candidates = [("bfloat16", w) for w in light_formats] + [("bfloat16", "dense"), ("float32", "dense")]
+    table: dict[str, dict[int, float]] = {}
+    for dtype, weights in candidates:
+        rows = DECODE_ROWS + (PREFILL_ROWS if weights == "dense" else PREFILL_ROWS[:2])
+        table[f"{dtype}/{weights}"] = time_format(cfg, dtype, weights, tuple(sorted(set(rows))))
+        if verbose:
+            print(f"  {dtype}/{weights}: " + " ".join(f"T({r})={1e3 * t:.1f}ms"
+                                                       for r, t in table[f'{dtype}/{weights}'].items()), flush=True)
+    formats = choose(table, candidates)
+    result = {"machine": info, "shape": shape, "seconds": round(time.perf_counter() - started, 2),
+              "table": {k: {str(r): round(t, 6) for r, t in v.items()} for k, v in table.items()},
+              "formats": dataclasses.asdict(formats)}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
+    return result
+
+
+def formats_from(result: dict) -> Formats:
+    return Formats(**result["formats"])
