@@ -15,7 +15,7 @@ from .sampling import SamplingParams
 
 
 def add_parser(sub) -> None:
-    from .target import WEIGHT_FORMATS
+    from .quant import WEIGHT_FORMATS
 
     p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
     p.add_argument("--prompts", required=True, help="JSONL: {'messages': [...]} or {'prompt': '...'} per line")

@@ -30,7 +30,7 @@ INT_LIST = re.compile(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]")
 
 
 def add_parser(sub) -> None:
-    from ..target import WEIGHT_FORMATS
+    from ..quant import WEIGHT_FORMATS
 
     p = sub.add_parser("bench", help="benchmark speculation methods (and peers) on a workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +126,7 @@ def build_inprocess(args, methods, prompts, notes):
 
     from transformers.utils import logging as hf_logging
 
-    from ..target import DTYPES, load_hf_model
+    from ..loading import DTYPES, load_hf_model
 
     hf_logging.set_verbosity_error()   # generate() warns about unused sampling fields
     hf_model, _ = load_hf_model(args.model)

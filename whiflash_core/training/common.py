@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..target import DTYPES, TargetModel
+from ..target import TargetModel
 from .distill import load_distilled
 
 
@@ -559,9 +559,9 @@ class _StopFlag:
 
 
 def _load_target(s: TrainSettings) -> TargetModel:
-    from ..target import load_target
+    from ..loading import load_target
 
-    target, _ = load_target(s.model, DTYPES[s.target_dtype])
+    target, _ = load_target(s.model, s.target_dtype)
     return target
 
 

@@ -27,9 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from ..drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from ..layers import init_linear_
-from ..loading import SMOLLM2_MASK_TOKEN_ID
 from ..target import TargetModel
 from .common import (DrafterTask, Item, TrainSettings, add_common_args, chain_metrics, init_head_norm, slot_counts,
                      train)
