@@ -20,8 +20,9 @@ from whiflash_core.drafters.dflash import DFlashDrafter
 from whiflash_core.drafters.eagle3 import Eagle3Drafter
 from whiflash_core.training import dflash as TD
 from whiflash_core.training import eagle3 as TE
-from whiflash_core.training.common import (Example, build_draft_vocab, load_checkpoint, load_examples,
-                                           plan_epoch, read_log, train)
+from whiflash_core.training.data import Example, build_draft_vocab, load_examples, plan_epoch
+from whiflash_core.training.logs import read_log
+from whiflash_core.training.loop import load_checkpoint, train
 from whiflash_core.training.distill import Sample, write_samples
 
 VOCAB = 64
