@@ -54,11 +54,12 @@ def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
     p.add_argument(meta.get("flag", f"--{name}"), dest=f.name, **kw)
 
 
-def add_arguments(p: argparse.ArgumentParser, cls: type) -> None:
-    """One flag per field of the dataclass `cls` (fields with cli=False are left out)."""
+def add_arguments(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of the dataclass `cls` (or per field named in `only`); fields with
+    cli=False are left out."""
     hints = get_type_hints(cls)
     for f in fields(cls):
-        if f.metadata.get("cli", True):
+        if f.metadata.get("cli", True) and (only is None or f.name in only):
             _add(p, f, _plain(hints[f.name]))
 
 

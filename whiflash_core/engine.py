@@ -171,16 +171,17 @@ class Generation:
         route = self.router.route(self.states, self._context(), self.last_logits)
         k = min(route.draft_len, self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
         clock.lap("router")
-        # propose: draft d1..dk (with their proposal distributions q when sampling)
+        # propose: draft d1..dk (with their proposal distributions q [k, V] when sampling)
         draft = self._propose(route.drafter, k, clock)
-        # verify: one target forward over [pending, d1..dk] gives k+1 rows of logits p; keep the
-        # longest prefix d1..da the target agrees with (greedy: d_i = argmax p_i; sampling: accept
-        # d_i with prob min(1, p_i/q_i)) plus one token of its own from row a+1: the correction
-        # (residual max(0, p-q) renormalised) or, when a = k, the bonus.
+        # a grammar constraint cuts the draft before the first token it forbids
         masks = self.request.constraint.masks(draft.tokens.tolist()) if self.request.constraint else None
         if masks is not None:
             draft = Draft(draft.tokens[: masks.shape[0] - 1], draft.probs)
         k = draft.tokens.shape[0]
+        # verify: one target forward over [pending, d1..dk] gives logits p [k+1, V]; keep the longest
+        # prefix d1..da the target agrees with (greedy: d_i = argmax p_i; sampling: accept d_i with
+        # prob min(1, p_i(d_i) / q_i(d_i))) plus one token of its own from row a+1: the correction
+        # (sampled from the residual max(0, p - q), renormalised) or, when a = k, the bonus.
         out = self.engine.target(torch.cat([self.ids[n:n + 1], draft.tokens]), self.cache, self.tap_layers)
         a, nxt = self._verify(out.logits, draft, masks)
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
@@ -191,8 +192,8 @@ class Generation:
         self.ids[n + 1:n + a + 2] = torch.tensor(emitted)
         self.last_logits = out.logits[a]
         clock.lap("verify")
-        r = Round(self.rounds + 1, route.drafter, k if route.drafter else 0, a, switched=route.switched,
-                  entropy=route.entropy, times=clock.times)
+        r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
+                  times=clock.times)
         r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index)
         self.tally.add(r)
         return r

@@ -21,7 +21,9 @@ import re
 import shlex
 import sys
 
-from ..engine import METHODS
+from ..cli_args import add_arguments
+from ..config import SpeculationConfig
+from ..router import METHODS
 from .stats import BASELINE, PromptRecord, collapse_repeats, mismatches, summarize
 from .workload import categories_in_order, load_workload
 
@@ -48,9 +50,7 @@ def add_parser(sub) -> None:
     p.add_argument("--url", default=None, help="benchmark a running gateway at this base URL instead of in-process")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
-    p.add_argument("--alpha", type=float, default=0.5, help="router latency/acceptance trade-off (whiflash)")
-    p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
+    add_arguments(p, SpeculationConfig, only=("alpha", "num_draft_tokens", "block_size"))
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the losslessness check needs it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="Hugging Face model directory or .gguf (default: embedded SmolLM2)")
@@ -104,7 +104,6 @@ def build_inprocess(args, methods, prompts, notes):
     import torch
 
     from ..chat import encode_chat
-    from ..engine import SpeculationConfig
     from ..loading import load_engine
     from ..sampling import SamplingParams
     from .runners import EngineRunner, HFGenerateRunner, LlamaCppRunner, llama_cpp_available
@@ -353,7 +352,6 @@ def run(args: argparse.Namespace) -> int:
 def calibrate_router(args, prompts) -> int:
     """Sweep the entropy threshold for the whiflash method (see calibrate.py)."""
     from ..chat import encode_chat
-    from ..engine import SpeculationConfig
     from ..loading import load_engine
     from ..sampling import SamplingParams
     from .calibrate import choose, sweep
