@@ -111,7 +111,7 @@ class Generation:
         threshold = spec.entropy_threshold
         if threshold is None:
             threshold = engine.calibration.threshold(spec.alpha)
-        self.router = Router(spec.method, engine.drafters, spec, threshold)
+        self.router = Router(engine.drafters, spec, threshold)
 
         p = self.prompt_len = len(request.prompt_ids)
         # Buffers start small and grow by doubling: a request without max_tokens may run to the

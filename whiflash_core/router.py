@@ -117,9 +117,9 @@ class Route:
 class Router:
     """Per-request routing: the drafters a method uses and each round's choice among them."""
 
-    def __init__(self, method: str, drafters: dict[str, Drafter], spec: SpeculationConfig, threshold: float):
-        routed = ROUTED[method]
-        lookup_first = method in LOOKUP_FIRST_METHODS and spec.prompt_lookup
+    def __init__(self, drafters: dict[str, Drafter], spec: SpeculationConfig, threshold: float):
+        routed = ROUTED[spec.method]
+        lookup_first = spec.method in LOOKUP_FIRST_METHODS and spec.prompt_lookup
         names = routed + ((LOOKUP,) if lookup_first else ())
         self.drafters = {name: drafters[name] for name in names}      # every drafter this request may use
         self.draft_lens = {name: d.draft_len(spec) for name, d in self.drafters.items()}
