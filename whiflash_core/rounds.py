@@ -1,9 +1,9 @@
 """What one speculation round did (`Round`), and the one accumulator every figure is counted with.
 
 `Generation.step()` returns a `Round`. Everything that reports on speculation derives from the
-stream of rounds through `Tally`: a request's stats (`Generation.stats()`), the Prometheus
-counters (app/metrics.py), the `round` events (app/events.py) and the stats page's totals
-(app/stats.py). So each figure has one definition:
+stream of rounds: a request's stats (`Generation.stats()`) and the stats page's totals
+(app/stats.py, fed the `round` events that `Round.event()` writes) through `Tally`; the Prometheus
+counters (app/metrics.py) add up the same Round fields. So each figure has one definition:
 
     acceptance length  = tokens decided by rounds / rounds        (tokens per target forward)
     switch             = a round whose drafter differs from the previous round's (Round.switched)
