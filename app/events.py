@@ -6,7 +6,8 @@ and with no subscribers `publish` is a cheap no-op.
 
 Events are plain dicts with a "type":
     request_started  {id, method, alpha, prompt_tokens, max_tokens}
-    round            {id, round, drafter, draft_tokens, accepted, entropy, seconds}
+    round            {id, round, drafter, draft_tokens, accepted, decided, switched, entropy, seconds}
+                     (a `Round` record's fields: whiflash_core/rounds.py, `Round.event`)
     tokens           {id, round, tokens: [{id, text, source}]}
     request_finished {id, finish_reason, stats, timing}
 each with "time" (Unix seconds) added by `publish`.

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from whiflash_core.rounds import Round
+
 P = "whiflash:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
@@ -62,17 +64,16 @@ class Metrics:
 
     # -- recording (called from the engine worker thread; prometheus_client is thread-safe) --------
 
-    def round(self, method: str, seconds: float, drafter: str | None, draft_tokens: int, accepted: int,
-              switched: bool) -> None:
+    def round(self, method: str, r: Round) -> None:
         n = self.model_name
-        self.round_time.labels(n, method).observe(seconds)
-        if drafter is not None:
-            self.num_drafts.labels(n, drafter).inc()
-            self.num_draft_tokens.labels(n, drafter).inc(draft_tokens)
-            self.num_accepted_tokens.labels(n, drafter).inc(accepted)
-            for pos in range(accepted):
-                self.accepted_per_pos.labels(n, drafter, str(pos)).inc()
-        if switched:
+        self.round_time.labels(n, method).observe(r.times.total)
+        if r.drafter is not None:
+            self.num_drafts.labels(n, r.drafter).inc()
+            self.num_draft_tokens.labels(n, r.drafter).inc(r.draft_len)
+            self.num_accepted_tokens.labels(n, r.drafter).inc(r.accepted)
+            for pos in range(r.accepted):
+                self.accepted_per_pos.labels(n, r.drafter, str(pos)).inc()
+        if r.switched:
             self.router_switches.labels(n).inc()
 
     def tokens(self, count: int) -> None:

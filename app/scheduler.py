@@ -17,7 +17,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from whiflash_core.engine import Engine, Generation, GenerationRequest
 
@@ -104,7 +104,6 @@ class _Slot:
     gen: Generation
     delivered: int = 0
     first_token_at: float | None = None
-    round_times: list[float] = field(default_factory=list)
 
 
 class Scheduler:
@@ -236,29 +235,18 @@ class Scheduler:
             self._active.remove(slot)
             self._fail(handle, timeout_error(self.request_timeout), "timeout")
             return
-        decisions, switches = len(gen.decisions), gen.switches
-        drafted = {n: d["draft_tokens"] for n, d in gen.per_drafter.items()}
         try:
-            t0 = time.perf_counter()
-            gen.step()
-            seconds = time.perf_counter() - t0
+            r = gen.step()
         except Exception as exc:
             log.exception("round failed for %s", handle.id)
             gen.cancel()
             self._active.remove(slot)
             self._fail(handle, internal_error(f"generation failed: {type(exc).__name__}: {exc}"), "error")
             return
-        drafter, accepted, k = None, 0, 0
-        if len(gen.decisions) > decisions:
-            drafter, accepted = gen.decisions[-1]
-            k = gen.per_drafter[drafter]["draft_tokens"] - drafted[drafter]
-        if self.metrics:
-            self.metrics.round(gen.spec.method, seconds, drafter, k, accepted, gen.switches > switches)
-        if self.events.active:
-            self.events.publish("round", id=handle.id, round=gen.rounds, drafter=drafter, draft_tokens=k,
-                                accepted=accepted, seconds=round(seconds, 6),
-                                entropy=gen.entropies[-1] if drafter and gen.entropies and len(gen.active) > 1
-                                else None)
+        if r is not None:
+            if self.metrics:
+                self.metrics.round(gen.spec.method, r)
+            self.events.publish("round", id=handle.id, **r.event())
         self._deliver(slot)
 
     def _deliver(self, slot: _Slot) -> None:

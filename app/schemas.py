@@ -10,11 +10,12 @@ Responses serialize like vLLM's: optional delta fields that are unset are omitte
 from __future__ import annotations
 
 import time
-from typing import Any, ClassVar, Literal
+from dataclasses import fields
+from typing import Any, ClassVar, Literal, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_serializer
 
-from whiflash_core.engine import Method
+from whiflash_core.config import SpeculationConfig, api_fields, speculation_field
 
 # --- request -----------------------------------------------------------------------------------
 
@@ -112,18 +113,19 @@ class StreamOptions(_Lenient):
     include_usage: bool | None = None
 
 
-class SpeculationParams(BaseModel):
-    """Per-request speculative decoding knobs (`extra_body={"speculation": {...}}`)."""
+def _speculation_params() -> type[BaseModel]:
+    """The request's `speculation` object: every API field of SpeculationConfig, optional (None =
+    the server's default), with the config's bounds and help; strict, so a typo is a 400."""
+    hints = get_type_hints(SpeculationConfig)
+    spec = {name: (hints[name] | None, Field(**{**speculation_field(name), "default": None})) for name in api_fields()}
+    # accepted for compatibility and validated; entropy routing is the only policy
+    spec["policy"] = (Literal["entropy"] | None, Field(None, description="routing policy (entropy is the only one)"))
+    return create_model("SpeculationParams", __config__=ConfigDict(extra="forbid", strict=True),
+                        __doc__="Per-request speculative decoding knobs (`extra_body={\"speculation\": {...}}`).",
+                        **spec)
 
-    model_config = ConfigDict(extra="forbid", strict=True)
 
-    method: Method | None = None
-    policy: Literal["entropy"] | None = None
-    alpha: float | None = Field(None, ge=0.0, le=1.0)
-    num_draft_tokens: int | None = Field(None, ge=1, le=64)
-    block_size: int | None = Field(None, ge=2, le=65)
-    prompt_lookup: bool | None = None
-    trace: bool | None = None
+SpeculationParams = _speculation_params()
 
 
 class ChatCompletionRequest(_Lenient):

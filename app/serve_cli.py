@@ -9,8 +9,8 @@ import logging
 
 
 def add_parser(sub) -> None:
-    from whiflash_core.engine import METHODS
-    from whiflash_core.target import WEIGHT_FORMATS
+    from whiflash_core.router import METHODS
+    from whiflash_core.quant import WEIGHT_FORMATS
 
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -11,7 +11,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from collections.abc import AsyncIterator
 
@@ -131,22 +131,15 @@ class ChatServing:
             raise bad_request(f"Could not render the chat template: {exc}", "messages") from exc
 
     def _speculation(self, req: ChatCompletionRequest) -> SpeculationConfig:
-        s = self.settings
+        """The server's defaults (settings), overridden by the request's `speculation` fields."""
         p = req.speculation
         method = (p.method if p and p.method else None) or self.default_method()
         if method not in self.engine.methods:
             raise bad_request(f"Speculation method {method!r} is not available: its drafters are not loaded. "
                               f"Available: {self.engine.methods}.", "speculation.method", "method_unavailable")
 
-        def pick(name, default):
-            value = getattr(p, name) if p is not None else None
-            return default if value is None else value
-
-        return SpeculationConfig(method=method, policy=pick("policy", "entropy"),
-                                 alpha=pick("alpha", s.speculation_alpha),
-                                 num_draft_tokens=pick("num_draft_tokens", s.num_draft_tokens),
-                                 block_size=pick("block_size", s.block_size),
-                                 prompt_lookup=pick("prompt_lookup", True), trace=pick("trace", False))
+        given = p.model_dump(exclude_none=True, exclude={"method", "policy"}) if p is not None else {}
+        return replace(self.settings.speculation(method), **given)
 
     def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):
         fmt = req.response_format

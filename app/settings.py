@@ -6,8 +6,9 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from whiflash_core.engine import Method
-from whiflash_core.target import WeightFormat
+from whiflash_core.config import SpeculationConfig, speculation_field
+from whiflash_core.quant import WeightFormat
+from whiflash_core.router import Method
 
 
 class Settings(BaseSettings):
@@ -39,12 +40,19 @@ class Settings(BaseSettings):
     force_include_usage: bool = False
     parallel_tool_calls: bool = Field(False, description="default when a request does not say")
 
-    # speculation defaults (a request's `speculation` object overrides them)
+    # speculation defaults (a request's `speculation` object overrides them); defaults, bounds and
+    # help come from whiflash_core.config.SpeculationConfig
     speculation_method: Method | None = Field(
         None, description="None: the best method the loaded drafters allow")
-    speculation_alpha: float = Field(0.5, ge=0.0, le=1.0)
-    num_draft_tokens: int | None = Field(None, ge=1)
-    block_size: int | None = Field(None, ge=2)
+    speculation_alpha: float = Field(**speculation_field("alpha"))
+    num_draft_tokens: int | None = Field(**speculation_field("num_draft_tokens"))
+    block_size: int | None = Field(**speculation_field("block_size"))
+    prompt_lookup: bool = Field(**speculation_field("prompt_lookup"))
+
+    def speculation(self, method: str) -> SpeculationConfig:
+        """The server's default speculation settings for `method`."""
+        return SpeculationConfig(method=method, alpha=self.speculation_alpha, num_draft_tokens=self.num_draft_tokens,
+                                 block_size=self.block_size, prompt_lookup=self.prompt_lookup)
 
     @field_validator("cors_origins", mode="before")
     @classmethod

@@ -44,6 +44,8 @@ from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
+from whiflash_core.rounds import Round, Tally
+
 from .errors import APIError
 from .events import EventBus, Subscription
 from .settings import Settings
@@ -64,7 +66,8 @@ LOOPBACK_HOSTS = {"localhost", "127.0.0.1", "::1", "[::1]"}
 
 
 class Aggregates:
-    """Totals since start, updated from events (not from final stats) so they move while requests run."""
+    """Totals since start, updated from events (not from final stats) so they move while requests run.
+    Round figures come from one `Tally` over every request's rounds (the engine's definitions)."""
 
     def __init__(self):
         self.started = time.time()
@@ -73,12 +76,8 @@ class Aggregates:
         self._active: set[str] = set()          # started, not yet finished
         self.tokens = 0
         self.tokens_by_source: dict[str, int] = {}
-        self.rounds = 0
-        self.round_tokens = 0            # accepted + 1 per round: tokens decided per target forward
-        self.switches = 0
-        self.drafters: dict[str, dict[str, int]] = {}
-        self._last_drafter: dict[str, str] = {}   # per active request, for switch counting
-        self._recent: deque[tuple[float, int, int, int]] = deque()  # (time, tokens, rounds, round_tokens)
+        self.tally = Tally()
+        self._recent: deque[tuple[float, int, int, int]] = deque()  # (time, tokens, rounds, decided)
 
     def apply(self, event: dict) -> None:
         kind, rid, now = event["type"], event.get("id"), event["time"]
@@ -86,21 +85,9 @@ class Aggregates:
             self.requests += 1
             self._active.add(rid)
         elif kind == "round":
-            accepted = event.get("accepted") or 0
-            self.rounds += 1
-            self.round_tokens += accepted + 1
-            drafter = event.get("drafter")
-            if drafter:
-                d = self.drafters.setdefault(drafter, {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0})
-                d["rounds"] += 1
-                d["draft_tokens"] += event.get("draft_tokens") or 0
-                d["accepted_tokens"] += accepted
-                # the engine's definition: a round whose drafter differs from the previous one's
-                previous = self._last_drafter.get(rid)
-                if previous is not None and previous != drafter:
-                    self.switches += 1
-                self._last_drafter[rid] = drafter
-            self._recent.append((now, 0, 1, accepted + 1))
+            r = Round.from_event(event)
+            self.tally.add(r)
+            self._recent.append((now, 0, 1, r.decided))
         elif kind == "tokens":
             tokens = event.get("tokens") or []
             self.tokens += len(tokens)
@@ -111,28 +98,25 @@ class Aggregates:
             # (a request that timed out in the queue finishes without having started: not counted)
             self._active.discard(rid)
             self.finished += 1
-            self._last_drafter.pop(rid, None)
 
     def sample(self, now: float) -> dict:
         """Throughput and acceptance length over the last SAMPLE_WINDOW seconds."""
         while self._recent and self._recent[0][0] < now - SAMPLE_WINDOW:
             self._recent.popleft()
         window = min(SAMPLE_WINDOW, max(now - self.started, 1e-6))
-        tokens = sum(r[1] for r in self._recent)
-        rounds = sum(r[2] for r in self._recent)
-        round_tokens = sum(r[3] for r in self._recent)
-        return {"time": now, "tokens_per_s": round(tokens / window, 3),
-                "acceptance_length": round(round_tokens / rounds, 4) if rounds else None}
+        recent = Tally(rounds=sum(r[2] for r in self._recent), decided=sum(r[3] for r in self._recent))
+        return {"time": now, "tokens_per_s": round(sum(r[1] for r in self._recent) / window, 3),
+                "acceptance_length": recent.acceptance_length}
 
     def as_dict(self) -> dict:
+        t = self.tally
         return {"since": self.started, "requests": self.requests, "finished": self.finished,
                 "active": len(self._active), "tokens": self.tokens,
-                "tokens_by_source": dict(self.tokens_by_source), "rounds": self.rounds,
-                "acceptance_length": round(self.round_tokens / self.rounds, 4) if self.rounds else None,
-                "switches": self.switches,
-                "switches_per_100_tokens": round(100 * self.switches / self.tokens, 3) if self.tokens else None,
-                "drafters": {name: {**d, "acceptance_length": round(1 + d["accepted_tokens"] / d["rounds"], 4)}
-                             for name, d in self.drafters.items() if d["rounds"]}}
+                "tokens_by_source": dict(self.tokens_by_source), "rounds": t.rounds,
+                "acceptance_length": t.acceptance_length, "switches": t.switches,
+                "switches_per_100_tokens": round(100 * t.switches / self.tokens, 3) if self.tokens else None,
+                "drafters": {name: {**d.as_dict(), "acceptance_length": round(d.acceptance_length, 4)}
+                             for name, d in t.drafters.items() if d.rounds}}
 
 
 class _Client:

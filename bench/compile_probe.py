@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
-from whiflash_core.target import load_target  # noqa: E402
+from whiflash_core.loading import load_target  # noqa: E402
 
 KS = (1, 4)
 TAPS = (2, 15, 27)

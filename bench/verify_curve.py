@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig  # noqa: E402
-from whiflash_core.target import load_hf_model, load_target  # noqa: E402
+from whiflash_core.loading import load_hf_model, load_target  # noqa: E402
 
 KS = [1, 2, 3, 4, 6, 8, 12, 16, 24, 32]
 PROMPT = [{"role": "user", "content": "Explain how a hash table works, with an example in Python."}]

@@ -109,15 +109,14 @@ function onStarted(e) {
 function onRound(e) {
   const r = request(e.id);
   r.rounds += 1;
-  r.roundTokens += (e.accepted || 0) + 1;
+  r.roundTokens += e.decided ?? (e.accepted || 0) + 1;  // tokens the round decided (engine's Round.decided)
   r.last = e.time;
   if (e.drafter) {
     const d = r.drafters[e.drafter] || (r.drafters[e.drafter] = { rounds: 0, accepted: 0, drafted: 0 });
     d.rounds += 1;
     d.accepted += e.accepted || 0;
     d.drafted += e.draft_tokens || 0;
-    if (r.lastDrafter && r.lastDrafter !== e.drafter) r.switches += 1;  // the engine's definition
-    r.lastDrafter = e.drafter;
+    if (e.switched) r.switches += 1;  // decided by the engine's router (Round.switched)
   }
   r.timeline.append(timelineBar(e));
   renderRequest(r);
@@ -166,7 +165,7 @@ function newRequest(id) {
   const r = {
     id, started: null, last: null, finished: null, reason: null, error: null, stats: null,
     method: "?", alpha: null, maxTokens: null,
-    tokens: 0, rounds: 0, roundTokens: 0, switches: 0, lastDrafter: null, drafters: {},
+    tokens: 0, rounds: 0, roundTokens: 0, switches: 0, drafters: {},
   };
   r.title = WF.el("span");
   r.numbers = WF.el("div", { class: "kv" });

@@ -6,7 +6,7 @@ import torch
 
 from tiny import VOCAB, tiny_dflash, tiny_eagle, tiny_target
 from whiflash_core.drafters.base import Context, Draft, Drafter, DrafterState, DraftSampling
-from whiflash_core.engine import METHODS, Engine, GenerationRequest, SpeculationConfig
+from whiflash_core.engine import METHODS, Engine, Generation, GenerationRequest, SpeculationConfig
 
 # float64 identity across methods: rerun with the AVX2 kernels forced (.ci/run)
 pytestmark = pytest.mark.numerics
@@ -44,10 +44,28 @@ class OracleDrafter(Drafter):
         return Draft(torch.tensor(out))
 
 
+class EagerGeneration(Generation):
+    """The naive scheme Lazy Catch-up is checked against: every drafter catches up every round."""
+
+    def _catch_up(self, name, ctx):
+        for other in self.router.drafters:
+            super()._catch_up(other, ctx)
+
+
+def run(eng: Engine, request: GenerationRequest, eager: bool = False):
+    """(generation, its Round records), stepped to the end."""
+    gen = EagerGeneration(eng, request) if eager else eng.start(request)
+    gen.prefill()
+    rounds = []
+    while not gen.finished:
+        rounds.append(gen.step())
+    return gen, rounds
+
+
 def median_entropy(eng: Engine, prompt: list[int], n: int) -> float:
     """A router threshold at the median entropy of this prompt, so the router switches often."""
-    gen = eng.generate(GenerationRequest(prompt, n, speculation=SpeculationConfig(method="whiflash")))
-    return float(torch.tensor(gen.entropies).median())
+    _, rounds = run(eng, GenerationRequest(prompt, n, speculation=SpeculationConfig(method="whiflash")))
+    return float(torch.tensor([r.entropy for r in rounds if r.entropy is not None]).median())
 
 
 def engine(**kw) -> Engine:
@@ -62,11 +80,10 @@ def test_every_method_equals_plain_decode_float64(prompt, eager):
     plain = eng.generate(GenerationRequest(prompt, 80, speculation=SpeculationConfig(method="none"))).output
     assert len(plain) == 80
     threshold = median_entropy(eng, prompt, 80)
-    specs = [SpeculationConfig(method=m, entropy_threshold=threshold, eager_catch_up=eager) for m in METHODS[1:]]
-    specs.append(SpeculationConfig(method="whiflash", entropy_threshold=threshold, eager_catch_up=eager,
-                                   prompt_lookup=False))
+    specs = [SpeculationConfig(method=m, entropy_threshold=threshold) for m in METHODS[1:]]
+    specs.append(SpeculationConfig(method="whiflash", entropy_threshold=threshold, prompt_lookup=False))
     for spec in specs:
-        gen = eng.generate(GenerationRequest(prompt, 80, speculation=spec))
+        gen, _ = run(eng, GenerationRequest(prompt, 80, speculation=spec), eager)
         assert gen.output == plain, spec
         stats = gen.stats()
         assert stats["rounds"] == gen.rounds and stats["rounds"] >= 1
@@ -83,9 +100,9 @@ def test_lazy_catch_up_matches_eager_catch_up_round_by_round():
     runs = {}
     threshold = median_entropy(eng, PROMPTS[2], 80)
     for eager in (False, True):
-        spec = SpeculationConfig(method="whiflash", entropy_threshold=threshold, eager_catch_up=eager)
-        gen = eng.generate(GenerationRequest(PROMPTS[2], 80, speculation=spec))
-        runs[eager] = (gen.output, gen.decisions, gen.stats())
+        spec = SpeculationConfig(method="whiflash", entropy_threshold=threshold)
+        gen, rounds = run(eng, GenerationRequest(PROMPTS[2], 80, speculation=spec), eager)
+        runs[eager] = (gen.output, [(r.drafter, r.accepted) for r in rounds], gen.stats())
     assert runs[False][0] == runs[True][0]
     assert runs[False][1] == runs[True][1]  # same drafter and same accepted count every round
     assert runs[False][2]["switches"] >= 3
@@ -98,10 +115,10 @@ def test_accept_reject_bookkeeping_with_an_oracle_drafter(error_rate):
     plain = eng.generate(GenerationRequest(prompt, 70, speculation=SpeculationConfig(method="none"))).output
     oracle = OracleDrafter(plain, len(prompt), error_rate, seed=7)
     eng.drafters["eagle3"] = oracle
-    gen = eng.generate(GenerationRequest(prompt, 70, speculation=SpeculationConfig(method="eagle3",
-                                                                                   num_draft_tokens=5)))
+    gen, rounds = run(eng, GenerationRequest(prompt, 70, speculation=SpeculationConfig(method="eagle3",
+                                                                                       num_draft_tokens=5)))
     assert gen.output == plain
-    accepted = [a for _, a in gen.decisions]
+    accepted = [r.accepted for r in rounds]
     assert accepted == oracle.expected_accepts
     stats = gen.stats()
     assert stats["accepted_tokens"] == sum(accepted)

@@ -12,8 +12,7 @@ from test_engine_tiny import OracleDrafter
 from whiflash_core.chat import encode_chat
 from whiflash_core.constraints import GrammarFactory
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
-from whiflash_core.loading import random_drafters
-from whiflash_core.target import from_hf, load_hf_model
+from whiflash_core.loading import from_hf, load_hf_model, random_drafters
 
 # exact identity across methods in float32: rerun with the AVX2 kernels forced (.ci/run)
 pytestmark = pytest.mark.numerics

@@ -16,6 +16,7 @@ from app.main import create_app
 from app.output import TextAccumulator
 from app.settings import Settings
 from app.tools import StreamingToolParser, parse_tool_calls
+from whiflash_core.rounds import Round, Tally
 
 # --- tool-call parsing under every chunking ------------------------------------------------------
 
@@ -160,10 +161,9 @@ class ReplayGeneration:
         self.engine, self.request, self.spec = engine, request, request.speculation
         self.prompt_len = len(request.prompt_ids)
         self.script = [ord(c) for c in engine.reply]
-        self.output, self.sources, self.decisions, self.entropies = [], [], [], []
-        self.active = ["dflash"]
-        self.per_drafter = {"dflash": {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0}}
-        self.rounds = self.switches = 0
+        self.output, self.sources = [], []
+        self.tally = Tally.over(["dflash"])
+        self.rounds = 0
         self.finished, self.finish_reason = False, None
 
     def _emit(self, n: int) -> None:
@@ -183,20 +183,19 @@ class ReplayGeneration:
         if self.rounds + 1 == self.engine.fail_at_round:
             raise RuntimeError("boom")
         self.rounds += 1
-        d = self.per_drafter["dflash"]
-        d["rounds"] += 1
-        d["draft_tokens"] += self.engine.chunk
-        d["accepted_tokens"] += self.engine.chunk - 1
-        self.decisions.append(("dflash", self.engine.chunk - 1))
-        self._emit(self.engine.chunk)
-        return []
+        chunk = self.engine.chunk
+        r = Round(self.rounds, "dflash", chunk, chunk - 1, decided=chunk)
+        self.tally.add(r)
+        self._emit(chunk)
+        return r
 
     def cancel(self):
         if not self.finished:
             self.finished, self.finish_reason = True, "cancelled"
 
     def stats(self, trace=None):
-        return {"method": self.spec.method, "rounds": self.rounds, "drafters": dict(self.per_drafter)}
+        return {"method": self.spec.method, "rounds": self.rounds,
+                "drafters": {k: d.as_dict() for k, d in self.tally.drafters.items()}}
 
     def timing(self):
         return {}

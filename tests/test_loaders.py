@@ -151,7 +151,7 @@ def _propose(drafter, target, k):
 def test_safeailab_eagle3_loads_and_roundtrips(tmp_path, weights_file):
     target = tiny_target(torch.float32)
     write_safeailab(str(tmp_path / "ea"), weights_file)
-    d = Eagle3Drafter.load(str(tmp_path / "ea"), target.embed_tokens, target.cfg.num_layers)
+    d = Eagle3Drafter.load(str(tmp_path / "ea"), target, torch.float32)
     c = d.cfg
     assert c.rope_theta == 10000.0 and c.tap_layers == [2, 3, 3]  # {2, L//2, L-3} for L = 6
     assert not (c.norm_before_residual or c.fc_norm or c.norm_output) and c.draft_vocab_size == DV
@@ -161,7 +161,7 @@ def test_safeailab_eagle3_loads_and_roundtrips(tmp_path, weights_file):
     d.save(str(tmp_path / "again"), layout="safeailab", dtype=torch.float32)
     with open(tmp_path / "again" / "config.json") as f:
         assert "rope_theta" in json.load(f)
-    d2 = Eagle3Drafter.load(str(tmp_path / "again"), target.embed_tokens, target.cfg.num_layers)
+    d2 = Eagle3Drafter.load(str(tmp_path / "again"), target, torch.float32)
     tokens2, probs2 = _propose(d2, target, 4)
     assert torch.equal(tokens, tokens2) and torch.equal(probs, probs2)
 
@@ -169,13 +169,13 @@ def test_safeailab_eagle3_loads_and_roundtrips(tmp_path, weights_file):
 def test_speculators_eagle3_honours_flags_and_roundtrips(tmp_path):
     target = tiny_target(torch.float32)
     write_speculators(str(tmp_path / "sp"))
-    d = Eagle3Drafter.load(str(tmp_path / "sp"), target.embed_tokens, target.cfg.num_layers)
+    d = Eagle3Drafter.load(str(tmp_path / "sp"), target, torch.float32)
     c = d.cfg
     assert c.tap_layers == [1, 3, 4] and c.fc_norm and c.norm_output and not c.norm_before_residual
     assert c.num_draft_tokens == 3
     tokens, probs = _propose(d, target, 4)
     d.save(str(tmp_path / "again"), layout="speculators", dtype=torch.float32)
-    d2 = Eagle3Drafter.load(str(tmp_path / "again"), target.embed_tokens, target.cfg.num_layers)
+    d2 = Eagle3Drafter.load(str(tmp_path / "again"), target, torch.float32)
     tokens2, probs2 = _propose(d2, target, 4)
     assert torch.equal(tokens, tokens2) and torch.equal(probs, probs2)
     # a flag changes the computation: flipping norm_output changes the chain's later drafts
@@ -187,7 +187,7 @@ def test_speculators_eagle3_honours_flags_and_roundtrips(tmp_path):
 def test_speculators_missing_norm_before_residual_defaults_like_vllm(tmp_path):
     target = tiny_target(torch.float32)
     write_speculators(str(tmp_path / "sp"), with_flags=False)
-    d = Eagle3Drafter.load(str(tmp_path / "sp"), target.embed_tokens, target.cfg.num_layers)
+    d = Eagle3Drafter.load(str(tmp_path / "sp"), target, torch.float32)
     assert d.cfg.norm_before_residual is True
 
 
@@ -195,7 +195,7 @@ def test_speculators_missing_norm_before_residual_defaults_like_vllm(tmp_path):
 def test_zlab_dflash_loads_and_roundtrips(tmp_path, schema):
     target = tiny_target(torch.float32)
     write_zlab(str(tmp_path / "df"), schema)
-    d = DFlashDrafter.load(str(tmp_path / "df"), target.embed_tokens, target.lm_head, target.cfg.num_layers)
+    d = DFlashDrafter.load(str(tmp_path / "df"), target, torch.float32)
     c = d.cfg
     assert c.block_size == 5 and c.mask_token_id == VOCAB - 1 and c.rope_theta == 1e6
     assert d.tap_layers == (1, 3, 4)  # z-lab ids name layer outputs: hidden_states[id + 1]
@@ -203,6 +203,6 @@ def test_zlab_dflash_loads_and_roundtrips(tmp_path, schema):
     tokens, probs = _propose(d, target, 4)
     assert tokens.shape == (4,)
     d.save(str(tmp_path / "again"), dtype=torch.float32)
-    d2 = DFlashDrafter.load(str(tmp_path / "again"), target.embed_tokens, target.lm_head, target.cfg.num_layers)
+    d2 = DFlashDrafter.load(str(tmp_path / "again"), target, torch.float32)
     tokens2, probs2 = _propose(d2, target, 4)
     assert torch.equal(tokens, tokens2) and torch.equal(probs, probs2)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+from whiflash_core.loading import from_hf, load_hf_model
 from whiflash_core.quant import Int4Linear, Int8Linear, decode_q4_1, quantize_target_int4
-from whiflash_core.target import from_hf, load_hf_model
 
 # agreement rates of int4/int8 kernels with the dense ones: rerun with the AVX2 kernels forced (.ci/run)
 pytestmark = pytest.mark.numerics
@@ -68,7 +68,7 @@ def test_light_formats_keep_the_greedy_choice_of_the_dense_target():
     """int4 (Q4_1 layers + int8 head) and int8 on the real model: the float32-refined top-8 keeps
     the dense target's greedy token at (almost) every position of a real chat prompt."""
     from whiflash_core.chat import encode_chat
-    from whiflash_core.target import load_target
+    from whiflash_core.loading import load_target
 
     dense, tok = load_target(None, "bfloat16")
     ids = torch.tensor(encode_chat(tok, [{"role": "user", "content": "Explain what a CPU cache is."}]))

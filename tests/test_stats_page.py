@@ -29,6 +29,7 @@ from fastapi.testclient import TestClient
 
 from app.main import create_app
 from app.settings import Settings
+from whiflash_core.rounds import Round, Tally
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -69,10 +70,9 @@ class ReplayGeneration:
         self.engine, self.request, self.spec = engine, request, request.speculation
         self.prompt_len = len(request.prompt_ids)
         self.script = [ord(c) for c in engine.reply]
-        self.output, self.sources, self.decisions, self.entropies = [], [], [], []
-        self.active = list(self.DRAFTERS)
-        self.per_drafter = {n: {"rounds": 0, "draft_tokens": 0, "accepted_tokens": 0} for n in self.DRAFTERS}
-        self.rounds = self.switches = 0
+        self.output, self.sources = [], []
+        self.tally = Tally.over(self.DRAFTERS)
+        self.rounds = 0
         self.finished, self.finish_reason = False, None
 
     def _emit(self, n, drafter=None):
@@ -88,23 +88,21 @@ class ReplayGeneration:
     def step(self):
         time.sleep(self.engine.delay)
         name = self.DRAFTERS[self.rounds % len(self.DRAFTERS)]
-        self.switches += self.rounds > 0
+        chunk = self.engine.chunk
+        r = Round(self.rounds + 1, name, chunk, chunk - 1, decided=chunk, switched=self.rounds > 0)
         self.rounds += 1
-        d = self.per_drafter[name]
-        d["rounds"] += 1
-        d["draft_tokens"] += self.engine.chunk
-        d["accepted_tokens"] += self.engine.chunk - 1
-        self.decisions.append((name, self.engine.chunk - 1))
-        self._emit(self.engine.chunk, name)
+        self.tally.add(r)
+        self._emit(chunk, name)
+        return r
 
     def cancel(self):
         if not self.finished:
             self.finished, self.finish_reason = True, "cancelled"
 
     def stats(self, trace=None):
-        return {"method": self.spec.method, "rounds": self.rounds, "switches": self.switches,
+        return {"method": self.spec.method, "rounds": self.rounds, "switches": self.tally.switches,
                 "acceptance_length": len(self.output) / max(self.rounds, 1),
-                "drafters": {k: dict(v) for k, v in self.per_drafter.items()}}
+                "drafters": {k: d.as_dict() for k, d in self.tally.drafters.items()}}
 
     def timing(self):
         return {"total_s": 0.1}

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from whiflash_core.target import from_hf
+from whiflash_core.loading import from_hf
 
 # float64 logits against transformers: rerun with the AVX2 kernels forced (.ci/run)
 pytestmark = pytest.mark.numerics

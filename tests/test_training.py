@@ -20,8 +20,9 @@ from whiflash_core.drafters.dflash import DFlashDrafter
 from whiflash_core.drafters.eagle3 import Eagle3Drafter
 from whiflash_core.training import dflash as TD
 from whiflash_core.training import eagle3 as TE
-from whiflash_core.training.common import (Example, build_draft_vocab, load_checkpoint, load_examples,
-                                           plan_epoch, read_log, train)
+from whiflash_core.training.data import Example, build_draft_vocab, load_examples, plan_epoch
+from whiflash_core.training.logs import read_log
+from whiflash_core.training.loop import load_checkpoint, train
 from whiflash_core.training.distill import Sample, write_samples
 
 VOCAB = 64
@@ -196,7 +197,7 @@ def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
     raw = json.loads((out / "eagle3" / "config.json").read_text())
     assert raw["speculators_model_type"] == "eagle3" and raw["fc_norm"] and not raw["norm_before_residual"]
     assert raw["eagle_aux_hidden_state_layer_ids"] == [2, 3, 3] and raw["draft_vocab_size"] == 48
-    loaded = Eagle3Drafter.load(str(out / "eagle3"), target.embed_tokens, target.cfg.num_layers, torch.float32)
+    loaded = Eagle3Drafter.load(str(out / "eagle3"), target, torch.float32)
     ckpt = load_checkpoint(str(out / "eagle3.ckpt.pt"))
     trained = TE.build_task(target, ckpt["vocab_ids"], s, ckpt["config"])
     trained.load_state_dict(ckpt["model"])
@@ -225,7 +226,7 @@ def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
 
     # --draft-vocab N keeps the N most frequent of the trained head rows, unchanged (size budget)
     pruned = Path(ship(str(out), "eagle3", str(tmp_path / "pruned"), None, draft_vocab=16))
-    small = Eagle3Drafter.load(str(pruned), target.embed_tokens, target.cfg.num_layers, torch.float32)
+    small = Eagle3Drafter.load(str(pruned), target, torch.float32)
     st = ckpt["settings"]
     kept, _ = build_draft_vocab(load_examples(st["data"], "train", st["max_len"]), 16, target.cfg.vocab_size)
     full_ids, small_ids = torch.arange(48) + loaded.d2t, torch.arange(16) + small.d2t
@@ -274,8 +275,7 @@ def test_dflash_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
 
     raw = json.loads((out / "dflash" / "config.json").read_text())
     assert raw["block_size"] == 4 and raw["draft_vocab_size"] == 48 and raw["dflash_config"]["mask_token_id"] == 16
-    loaded = DFlashDrafter.load(str(out / "dflash"), target.embed_tokens, target.lm_head, target.cfg.num_layers,
-                                torch.float32)
+    loaded = DFlashDrafter.load(str(out / "dflash"), target, torch.float32)
     ckpt = load_checkpoint(str(out / "dflash.ckpt.pt"))
     trained = TD.build_task(target, ckpt["vocab_ids"], s, ckpt["config"])
     trained.load_state_dict(ckpt["model"])

@@ -10,12 +10,13 @@ import json
 import sys
 import time
 
+from .cli_args import add_arguments
 from .engine import METHODS, GenerationRequest, SpeculationConfig
 from .sampling import SamplingParams
 
 
 def add_parser(sub) -> None:
-    from .target import WEIGHT_FORMATS
+    from .quant import WEIGHT_FORMATS
 
     p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
     p.add_argument("--prompts", required=True, help="JSONL: {'messages': [...]} or {'prompt': '...'} per line")
@@ -25,9 +26,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--alpha", type=float, default=0.5)
-    p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
+    add_arguments(p, SpeculationConfig, only=("alpha", "num_draft_tokens", "block_size"))
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
     p.add_argument("--model", default=None, help="Hugging Face model directory or .gguf (default: embedded SmolLM2)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")

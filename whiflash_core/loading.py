@@ -1,4 +1,5 @@
-"""Assemble an Engine: target + drafters (shipped, given, or random) + router calibration.
+"""Loading: the target from Hugging Face / GGUF weights (or the embedded default), the drafters
+from their checkpoints, and an Engine assembled from both plus the router calibration.
 
 Drafter directory layout (what `whiflash train` writes and what ships under models/):
 
@@ -14,23 +15,112 @@ import sys
 
 import torch
 
-from .drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
-from .embedded import EMBEDDED_NAME
+from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
 from .engine import Engine
+from .machine import Formats, formats_from, measure
+from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8
 from .router import RouterCalibration
-from .quant import quantize_int8
-from .target import DENSE_FROM_ROWS, DTYPES, TargetModel, load_target
+from .target import STACKED, Rotary, TargetConfig, TargetModel
 
 log = logging.getLogger(__name__)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHIPPED_DRAFTERS = os.path.join(REPO_ROOT, "models", "smollm2-135m-instruct")
+DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
+          "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
+# each drafter kind: its subdirectory in a drafter directory, and its loader
+DRAFTER_KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
 
-# SmolLM2's tokenizer has no mask token. DFlash needs one whose (frozen) embedding row marks
-# "to be predicted" and which never occurs in chat text: `<empty_output>` (id 16) is a special
-# token from SmolLM2's Jupyter pretraining data that chat prompts and answers never contain.
-SMOLLM2_MASK_TOKEN_ID = 16
+
+# --- the target ----------------------------------------------------------------------------------
+
+
+def load_hf_model(path: str | None, gguf_file: str | None = None):
+    """The Hugging Face model and tokenizer (fp32). `path=None` means the embedded default."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if path is None:
+        path, gguf_file = embedded_model_dir(), EMBEDDED_GGUF
+    elif path.endswith(".gguf"):
+        path, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(path, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
+    model.eval()
+    return model, tok
+
+
+def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
+    """Build our TargetModel from a loaded transformers Llama/Qwen3 model (weights copied)."""
+    cfg = TargetConfig.from_hf(hf_model.config)
+    rot = hf_model.model.rotary_emb
+    rotary = Rotary(rot.inv_freq.detach().clone(), min(cfg.max_position_embeddings, 4096),
+                    float(getattr(rot, "attention_scaling", 1.0)))
+    with torch.device("meta"):
+        model = TargetModel(cfg, rotary)
+    state = {}
+    for name, tensor in hf_model.state_dict().items():
+        key = name[len("model."):] if name.startswith("model.") else name
+        state[key] = tensor
+    state = stack_linears(state, cfg.num_layers)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = rotary
+    return model.to(dtype).eval()
+
+
+def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
+    """Hugging Face per-projection weights (and biases) -> our stacked ones (see STACKED)."""
+    for i in range(num_layers):
+        for stacked, parts in STACKED.items():
+            for kind in ("weight", "bias"):
+                keys = [f"layers.{i}.{p}.{kind}" for p in parts]
+                if keys[0] in state:
+                    state[f"layers.{i}.{stacked}.{kind}"] = torch.cat([state.pop(k) for k in keys])
+    return state
+
+
+def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense",
+                formats: Formats | None = None):
+    """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default, in weight
+    format `weights` (dense, int8, int4: see quant.py).
+
+    weights="auto" lets `whiflash_core.machine` time the formats on this CPU and pick per phase
+    (bf16 activations only: an explicit float32 is the exact reference path and stays dense);
+    `formats` imposes such a choice instead. The choice is kept as `model.formats`.
+    """
+    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    hf_model, tok = load_hf_model(path)
+    gguf = path if path and path.endswith(".gguf") else (
+        os.path.join(embedded_model_dir(), EMBEDDED_GGUF) if path is None else None)
+    if weights == "auto" and formats is None:
+        if dt == torch.bfloat16:
+            light = ("int4", "int8") if gguf else ("int8",)
+            formats = formats_from(measure(TargetConfig.from_hf(hf_model.config), light))
+        else:
+            weights = "dense"
+    prefill_dt, prefill_from = dt, DENSE_FROM_ROWS
+    if formats is not None:
+        dt, weights = DTYPES[formats.dtype], formats.weights
+        prefill_dt, prefill_from = DTYPES[formats.prefill_dtype], formats.prefill_from_rows
+    model = from_hf(hf_model, dt)
+    # long inputs through a twin in the prefill dtype (see TargetModel.set_prefill_twin), else
+    # through this model's own dense weights from `prefill_from` rows on
+    twin = from_hf(hf_model, prefill_dt) if prefill_dt != dt and prefill_from < 10**9 else None
+    del hf_model
+    apply_weight_format(model, weights, gguf, dense_from_rows=10**9 if twin is not None else prefill_from)
+    if twin is not None:
+        model.set_prefill_twin(twin, prefill_from)
+    model.formats = formats
+    return model, tok
+
+
+# --- drafters and the engine ------------------------------------------------------------------
 
 
 def random_drafters(target: TargetModel, seed: int = 0, draft_vocab: int = 8192,
@@ -57,14 +147,9 @@ def random_drafters(target: TargetModel, seed: int = 0, draft_vocab: int = 8192,
 
 
 def load_drafters(path: str, target: TargetModel) -> dict:
-    drafters = {}
-    L = target.cfg.num_layers
-    if os.path.exists(os.path.join(path, "eagle3", "config.json")):
-        drafters["eagle3"] = Eagle3Drafter.load(os.path.join(path, "eagle3"), target.embed_tokens, L, target.dtype)
-    if os.path.exists(os.path.join(path, "dflash", "config.json")):
-        drafters["dflash"] = DFlashDrafter.load(os.path.join(path, "dflash"), target.embed_tokens, target.lm_head,
-                                                L, target.dtype)
-    return drafters
+    """Every drafter kind with a checkpoint under `path` (DIR/eagle3, DIR/dflash)."""
+    return {name: kind.load(os.path.join(path, name), target) for name, kind in DRAFTER_KINDS.items()
+            if os.path.exists(os.path.join(path, name, "config.json"))}
 
 
 def load_engine(model: str | None = None, drafters: str | None = None, dtype: str = "bfloat16",
@@ -79,11 +164,9 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
     directory = drafters or (SHIPPED_DRAFTERS if model is None else None)
     if directory and os.path.isdir(directory):
         found = load_drafters(directory, target)
-    L = target.cfg.num_layers
-    if eagle3:
-        found["eagle3"] = Eagle3Drafter.load(eagle3, target.embed_tokens, L, target.dtype)
-    if dflash:
-        found["dflash"] = DFlashDrafter.load(dflash, target.embed_tokens, target.lm_head, L, target.dtype)
+    for name, checkpoint in (("eagle3", eagle3), ("dflash", dflash)):
+        if checkpoint:
+            found[name] = DRAFTER_KINDS[name].load(checkpoint, target)
     if not found:
         print("warning: no trained drafters found; using randomly initialised drafters "
               "(output stays exact, but almost no draft token will be accepted)", file=sys.stderr)

@@ -125,11 +125,9 @@ def _time_rows(model, rows: tuple[int, ...], reps: int) -> dict[int, float]:
 
 def time_format(cfg, dtype: str, weights: str, rows: tuple[int, ...], reps: int = 5) -> dict[int, float]:
     """Estimated seconds of a whole-model forward per row count: T0 + (L / n) * (Tn - T0)."""
-    from .target import DTYPES
-
     n = min(cfg.num_layers, 8)
-    t0 = _time_rows(_random_model(cfg, 0, DTYPES[dtype], weights), rows, reps)
-    tn = _time_rows(_random_model(cfg, n, DTYPES[dtype], weights), rows, reps)
+    t0 = _time_rows(_random_model(cfg, 0, getattr(torch, dtype), weights), rows, reps)
+    tn = _time_rows(_random_model(cfg, n, getattr(torch, dtype), weights), rows, reps)
     return {r: t0[r] + cfg.num_layers / n * max(tn[r] - t0[r], 0.0) for r in rows}
 
 

@@ -19,9 +19,19 @@ of the int8 top 8. `--weights int8` applies it to every linear of any Llama/Qwen
 """
 from __future__ import annotations
 
+from typing import Literal, get_args
+
 import numpy as np
 import torch
 from torch import nn
+
+from .target import STACKED, TargetModel
+
+WeightFormat = Literal["auto", "dense", "int8", "int4"]  # auto: whiflash_core.machine picks
+WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+# The light formats win while few rows are multiplied (decode, verify); the dense bf16 GEMM wins
+# for long prefills (measured: bench/verify_curve.py), so keep both and switch at DENSE_FROM_ROWS.
+DENSE_FROM_ROWS = 24
 
 GROUP = 32
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of nibbles
@@ -147,15 +157,13 @@ def quantize_int8(module: nn.Module, dense_from_rows: int = 10**9, names: list[s
     return len(names)
 
 
-def quantize_target_int4(model, gguf_path: str, dense_from_rows: int = 10**9) -> int:
+def quantize_target_int4(model: TargetModel, gguf_path: str, dense_from_rows: int = 10**9) -> int:
     """Swap the target's Q4_1 linears for Int4Linear in place; returns how many were swapped.
 
     The GGUF's q/k/v and gate/up tensors are stacked by rows as the target stacks them (STACKED).
     Checks on the way that d*q + m reproduces the dequantised weights the model was loaded with,
     i.e. that the packed weights are the GGUF's own.
     """
-    from .target import STACKED
-
     cfg = model.cfg
     found = read_q4_1_linears(gguf_path, cfg.num_heads, cfg.num_kv_heads)
     for i in range(cfg.num_layers):
@@ -178,3 +186,24 @@ def quantize_target_int4(model, gguf_path: str, dense_from_rows: int = 10**9) ->
         setattr(parent, attr, Int4Linear(q, d, m, dense, dense_from_rows, dtype=w.dtype))
         swapped += 1
     return swapped
+
+
+def apply_weight_format(model: TargetModel, weights: str, gguf_path: str | None = None,
+                        dense_from_rows: int = DENSE_FROM_ROWS) -> None:
+    """Put a loaded bf16 (or float32) target into weight format `weights` in place; from
+    `dense_from_rows` rows on its linears use the dense weights.
+
+    int4 runs the GGUF's own Q4_1 blocks (`gguf_path`) through the CPU int4 matmul, with an int8 LM
+    head (the head is not Q4_1); int8 quantises every linear per output row (any target).
+    """
+    if weights not in WEIGHT_FORMATS or weights == "auto":
+        raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
+    if weights != "dense" and model.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{weights} weights run with bfloat16 or float32 activations")
+    if weights == "int4":
+        if gguf_path is None:
+            raise ValueError("int4 weights need a GGUF with Q4_1 blocks (the embedded default or a .gguf path)")
+        quantize_target_int4(model, gguf_path, dense_from_rows=dense_from_rows)
+        quantize_int8(model, dense_from_rows, names=["lm_head"])
+    elif weights == "int8":
+        quantize_int8(model, dense_from_rows)

@@ -7,22 +7,19 @@ i = num_layers the final-norm output.
 
 Rolling the cache back to any accepted length is a single integer assignment: slots past
 `length` are simply overwritten by the next forward.
+
+This file is the model only; building it from Hugging Face / GGUF weights lives in loading.py,
+the lighter int4 / int8 weight formats in quant.py.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .layers import RMSNorm, Rotary, apply_rope, attend, attention_mask
-
-DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.float32,
-          "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
-
 
 @dataclass
 class TargetConfig:
@@ -183,6 +180,7 @@ class TargetModel(nn.Module):
     # took 1.7 s in float32 against 12.7 s in bf16 on an AVX2 EPYC), while the int4 kernels that
     # decode fastest take bf16 activations only at speed. See `whiflash_core.machine`.
     prefill_twin: "TargetModel | None" = None
+    formats = None  # the `machine.Formats` it was loaded in, when --weights auto chose them
     prefill_from_rows: int = 10**9
 
     def set_prefill_twin(self, twin: "TargetModel", from_rows: int) -> None:
@@ -239,7 +237,6 @@ class TargetModel(nn.Module):
         captured[self.cfg.num_layers] = h
         return h, (torch.stack([captured[i] for i in taps], dim=1) if taps else None)
 
-
     # bf16 logits are coarse (spacing 0.125 for logits of 16-32): plain greedy decode hits exact
     # top-1/top-2 ties at a few % of steps, and which one wins then depends on rounding that differs
     # between a 1-token and a k-token forward. A float32 LM head would cost ~3x the bf16 one here,
@@ -256,118 +253,3 @@ class TargetModel(nn.Module):
         w = self.lm_head.weight[top].float()                         # [rows, k, hidden]
         exact = torch.einsum("rkh,rh->rk", w, h.float())
         return logits.scatter(-1, top, exact)
-
-
-# ---------------------------------------------------------------------------------------------
-# Loading
-
-
-def load_hf_model(path: str | None, gguf_file: str | None = None):
-    """The Hugging Face model and tokenizer (fp32). `path=None` means the embedded default."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .embedded import EMBEDDED_GGUF, embedded_model_dir
-
-    if path is None:
-        path, gguf_file = embedded_model_dir(), EMBEDDED_GGUF
-    elif path.endswith(".gguf"):
-        path, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(path, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
-    model.eval()
-    return model, tok
-
-
-def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
-    """Build our TargetModel from a loaded transformers Llama/Qwen3 model (weights copied)."""
-    cfg = TargetConfig.from_hf(hf_model.config)
-    rot = hf_model.model.rotary_emb
-    rotary = Rotary(rot.inv_freq.detach().clone(), min(cfg.max_position_embeddings, 4096),
-                    float(getattr(rot, "attention_scaling", 1.0)))
-    with torch.device("meta"):
-        model = TargetModel(cfg, rotary)
-    state = {}
-    for name, tensor in hf_model.state_dict().items():
-        key = name[len("model."):] if name.startswith("model.") else name
-        state[key] = tensor
-    state = stack_linears(state, cfg.num_layers)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    model.load_state_dict(state, strict=not cfg.tie_word_embeddings, assign=True)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = rotary
-    return model.to(dtype).eval()
-
-
-def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
-    """Hugging Face per-projection weights (and biases) -> our stacked ones (see STACKED)."""
-    for i in range(num_layers):
-        for stacked, parts in STACKED.items():
-            for kind in ("weight", "bias"):
-                keys = [f"layers.{i}.{p}.{kind}" for p in parts]
-                if keys[0] in state:
-                    state[f"layers.{i}.{stacked}.{kind}"] = torch.cat([state.pop(k) for k in keys])
-    return state
-
-
-WeightFormat = Literal["auto", "dense", "int8", "int4"]
-WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
-DENSE_FROM_ROWS = 24
-
-
-def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense",
-                formats=None):
-    """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default.
-
-    weights="int4" runs the GGUF's own Q4_1 blocks through the CPU int4 matmul (LM head int8);
-    weights="int8" quantises every linear per output row (any target). See quant.py.
-    weights="auto" lets `whiflash_core.machine` time the formats on this CPU and pick per phase
-    (bf16 activations only: an explicit float32 is the exact reference path and stays dense);
-    `formats` (a `machine.Formats`) imposes a choice instead.
-    """
-    from .embedded import EMBEDDED_GGUF, embedded_model_dir
-
-    dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    hf_model, tok = load_hf_model(path)
-    gguf_path = path if path and path.endswith(".gguf") else (
-        os.path.join(embedded_model_dir(), EMBEDDED_GGUF) if path is None else None)
-    if weights not in WEIGHT_FORMATS:
-        raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
-    if weights == "auto" and formats is None:
-        if dt == torch.bfloat16:
-            from .machine import formats_from, measure
-
-            light = ("int4", "int8") if gguf_path else ("int8",)
-            formats = formats_from(measure(TargetConfig.from_hf(hf_model.config), light))
-        else:
-            weights = "dense"
-    prefill_dt, prefill_from = dt, DENSE_FROM_ROWS
-    if formats is not None:
-        dt, weights = DTYPES[formats.dtype], formats.weights
-        prefill_dt, prefill_from = DTYPES[formats.prefill_dtype], formats.prefill_from_rows
-    if weights in ("int4", "int8") and dt not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"{weights} weights run with bfloat16 or float32 activations")
-    model = from_hf(hf_model, dt)
-    twin = from_hf(hf_model, prefill_dt) if prefill_dt != dt and prefill_from < 10**9 else None
-    del hf_model
-    # The light formats win while few rows are multiplied (decode, verify); a dense GEMM wins for
-    # long prefills (measured: bench/verify_curve.py, whiflash_core/machine.py), so keep a dense
-    # path and switch at `prefill_from` rows: a twin in another dtype, or this model's own weights.
-    dense_from = 10**9 if twin is not None else prefill_from
-    if weights == "int4":
-        from .quant import quantize_int8, quantize_target_int4
-
-        if gguf_path is None:
-            raise ValueError("int4 weights need a GGUF with Q4_1 blocks (the embedded default or a .gguf path)")
-        quantize_target_int4(model, gguf_path, dense_from_rows=dense_from)
-        quantize_int8(model, dense_from, names=["lm_head"])  # the head is not Q4_1
-    elif weights == "int8":
-        from .quant import quantize_int8
-
-        quantize_int8(model, dense_from)
-    if twin is not None:
-        model.set_prefill_twin(twin, prefill_from)
-    model.formats = formats
-    return model, tok

@@ -69,8 +69,8 @@ def sweep(engine, prompts, thresholds: list[float], max_tokens: int, sampling, b
                 gen.step()
             r = results[t]
             r.decode_s += time.perf_counter() - t0
-            r.rounds += gen.rounds
-            r.round_tokens += gen.round_tokens
+            r.rounds += gen.tally.rounds
+            r.round_tokens += gen.tally.decided
             r.decode_tokens += max(0, len(gen.output) - 1)
-            r.eagle3_rounds += gen.per_drafter.get("eagle3", {}).get("rounds", 0)
+            r.eagle3_rounds += gen.tally.drafters["eagle3"].rounds
     return [results[t] for t in thresholds]

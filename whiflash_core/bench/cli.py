@@ -14,6 +14,7 @@ agreement rate is reported instead.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -21,7 +22,9 @@ import re
 import shlex
 import sys
 
-from ..engine import METHODS
+from ..cli_args import add_arguments
+from ..config import SpeculationConfig
+from ..router import METHODS
 from .stats import BASELINE, PromptRecord, collapse_repeats, mismatches, summarize
 from .workload import categories_in_order, load_workload
 
@@ -30,7 +33,7 @@ INT_LIST = re.compile(r"\[\s*(-?\d+(?:,\s*-?\d+)*)\s*\]")
 
 
 def add_parser(sub) -> None:
-    from ..target import WEIGHT_FORMATS
+    from ..quant import WEIGHT_FORMATS
 
     p = sub.add_parser("bench", help="benchmark speculation methods (and peers) on a workload",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,9 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--url", default=None, help="benchmark a running gateway at this base URL instead of in-process")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
-    p.add_argument("--alpha", type=float, default=0.5, help="router latency/acceptance trade-off (whiflash)")
-    p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=None)
+    add_arguments(p, SpeculationConfig, only=("alpha", "num_draft_tokens", "block_size"))
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the losslessness check needs it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="Hugging Face model directory or .gguf (default: embedded SmolLM2)")
@@ -104,13 +105,14 @@ def build_inprocess(args, methods, prompts, notes):
     import torch
 
     from ..chat import encode_chat
-    from ..engine import SpeculationConfig
     from ..loading import load_engine
     from ..sampling import SamplingParams
     from .runners import EngineRunner, HFGenerateRunner, LlamaCppRunner, llama_cpp_available
 
     engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
                          **({"weights": args.weights} if args.weights != "dense" else {}))
+    # what --weights auto chose on this machine, for the results file
+    args.resolved_formats = None if engine.target.formats is None else dataclasses.asdict(engine.target.formats)
     missing = [m for m in methods if m not in engine.methods]
     if missing:
         raise SystemExit(f"method(s) {missing} need drafters that are not loaded; available: {engine.methods}")
@@ -126,7 +128,7 @@ def build_inprocess(args, methods, prompts, notes):
 
     from transformers.utils import logging as hf_logging
 
-    from ..target import DTYPES, load_hf_model
+    from ..loading import DTYPES, load_hf_model
 
     hf_logging.set_verbosity_error()   # generate() warns about unused sampling fields
     hf_model, _ = load_hf_model(args.model)
@@ -258,6 +260,7 @@ def build_results(args, methods, names, prompts, records, notes) -> dict:
             "prompts": len(prompts), "limit": args.limit, "methods": names, "max_tokens": args.max_tokens,
             "repeats": args.repeats, "temperature": args.temperature, "seed": args.seed, "alpha": args.alpha,
             "num_draft_tokens": args.num_draft_tokens, "block_size": args.block_size, "weights": args.weights,
+            "formats": getattr(args, "resolved_formats", None),
             "mode": f"http {args.url}" if args.url else "in-process",
             "model": args.model or "embedded SmolLM2-135M-Instruct",
             "drafters": drafters_description(args), "out": args.out,
@@ -353,7 +356,6 @@ def run(args: argparse.Namespace) -> int:
 def calibrate_router(args, prompts) -> int:
     """Sweep the entropy threshold for the whiflash method (see calibrate.py)."""
     from ..chat import encode_chat
-    from ..engine import SpeculationConfig
     from ..loading import load_engine
     from ..sampling import SamplingParams
     from .calibrate import choose, sweep

@@ -4,15 +4,25 @@ A drafter holds weights shared by all requests; everything per request lives in 
 `DrafterState` it creates. Per round the engine calls `propose`, which first catches the
 drafter up on verified context it has not seen (lazily: a drafter that sat idle for several
 rounds catches up in one batched pass), then drafts. Drafts never enter the drafter's
-persistent cache, so nothing needs undoing after verification; `rollback` exists for callers
-that rewind the verified context itself.
+persistent cache, so nothing needs undoing after verification.
+
+The interface, all a router and the engine know of a drafter:
+
+    tap_layers          target hidden states it reads (the target taps only those)
+    draft_len(spec)     how many tokens one proposal makes under a request's settings
+    new_state(capacity) its per-request cache
+    catch_up(state, ctx), propose(state, ctx, k, sampling) -> Draft
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..config import SpeculationConfig
 
 
 @dataclass
@@ -65,6 +75,12 @@ class Drafter(ABC):
     tap_layers: tuple[int, ...] = ()
     # most tokens one proposal can contain
     max_draft_tokens: int = 1
+    # tokens one proposal makes when the request does not say
+    default_draft_len: int = 4
+
+    def draft_len(self, spec: SpeculationConfig) -> int:
+        """Tokens this drafter proposes per round: the request's num_draft_tokens, else its default."""
+        return max(0, min(spec.num_draft_tokens or self.default_draft_len, self.max_draft_tokens))
 
     @abstractmethod
     def new_state(self, capacity: int) -> DrafterState: ...
@@ -75,9 +91,6 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, state: DrafterState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft: ...
-
-    def rollback(self, state: DrafterState, n: int) -> None:
-        state.n_seen = min(state.n_seen, n)
 
 
 def pick_tokens(logits: torch.Tensor, sampling: DraftSampling, d2t: torch.Tensor | None,

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from ..layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, init_linear_
-from ..target import KVCache
+from ..target import KVCache, TargetModel
 from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens
 from .checkpoint import load_state_dict, save_state_dict
 
@@ -50,6 +50,12 @@ class DFlashConfig:
     @property
     def tap_layers(self) -> tuple[int, ...]:
         return tuple(i + 1 for i in self.target_layer_ids)
+
+
+# SmolLM2's tokenizer has no mask token. DFlash needs one whose (frozen) embedding row marks
+# "to be predicted" and which never occurs in chat text: `<empty_output>` (id 16) is a special
+# token from SmolLM2's Jupyter pretraining data that chat prompts and answers never contain.
+SMOLLM2_MASK_TOKEN_ID = 16
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
@@ -165,6 +171,12 @@ class DFlashDrafter(Drafter, nn.Module):
             x = layer(x, cos, sin, k, v)
         return x
 
+    def draft_len(self, spec) -> int:
+        """A block drafter drafts a whole block: block_size - 1 tokens after the anchor (the
+        request's block_size may shrink the trained block, never grow it)."""
+        block = spec.block_size or self.cfg.block_size
+        return max(0, min(block, self.cfg.block_size) - 1)
+
     def new_state(self, capacity: int) -> DFlashState:
         c = self.cfg
         return DFlashState(KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.fc.weight.dtype,
@@ -227,11 +239,13 @@ class DFlashDrafter(Drafter, nn.Module):
         save_state_dict(dict(self.state_dict()), os.path.join(path, "model.safetensors"), dtype)
 
     @classmethod
-    def load(cls, path: str, embed_tokens, target_lm_head, num_target_layers: int,
-             dtype=torch.float32) -> "DFlashDrafter":
+    def load(cls, path: str, target: TargetModel, dtype: torch.dtype | None = None) -> "DFlashDrafter":
+        """The z-lab checkpoint in `path` for `target`, whose embedding and (without a reduced
+        head) LM head it shares; in the target's dtype unless `dtype` says otherwise."""
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
-        cfg = config_from_json(raw, num_target_layers)
+        cfg = config_from_json(raw, target.cfg.num_layers)
+        embed_tokens, target_lm_head, dtype = target.embed_tokens, target.lm_head, dtype or target.dtype
         sd = load_state_dict(path)
         sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}
         # Some uploads carry the target's embedding / full LM head: ignore them (they are shared).

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, causal_mask, init_linear_
-from ..target import KVCache
+from ..target import KVCache, TargetModel
 from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens
 from .checkpoint import load_state_dict, save_state_dict
 
@@ -170,6 +170,10 @@ class Eagle3Drafter(Drafter, nn.Module):
 
     # -- Drafter interface -----------------------------------------------------------------
 
+    @property
+    def default_draft_len(self) -> int:
+        return self.cfg.num_draft_tokens
+
     def new_state(self, capacity: int) -> Eagle3State:
         c = self.cfg
         return Eagle3State(KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.fc.weight.dtype,
@@ -286,11 +290,13 @@ class Eagle3Drafter(Drafter, nn.Module):
         save_state_dict(self.state_dict_for_save(layout), os.path.join(path, "model.safetensors"), dtype)
 
     @classmethod
-    def load(cls, path: str, target_embed: nn.Embedding, num_target_layers: int,
-             dtype=torch.float32) -> "Eagle3Drafter":
+    def load(cls, path: str, target: TargetModel, dtype: torch.dtype | None = None) -> "Eagle3Drafter":
+        """The checkpoint in `path` (SafeAILab or speculators layout) for `target`, whose embedding
+        it shares unless it ships its own; in the target's dtype unless `dtype` says otherwise."""
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
-        cfg = config_from_json(raw, num_target_layers)
+        cfg = config_from_json(raw, target.cfg.num_layers)
+        target_embed, dtype = target.embed_tokens, dtype or target.dtype
         sd = load_state_dict(path)
         sd = {("layers.0." + k[len("midlayer."):]) if k.startswith("midlayer.") else k: v for k, v in sd.items()}
         sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in sd.items()}

@@ -35,6 +35,10 @@ class NgramDrafter(Drafter):
     def __init__(self, cfg: NgramConfig | None = None):
         self.cfg = cfg or NgramConfig()
 
+    @property
+    def default_draft_len(self) -> int:
+        return self.cfg.num_draft_tokens
+
     def new_state(self, capacity: int) -> NgramState:
         return NgramState()
 
@@ -56,9 +60,6 @@ class NgramDrafter(Drafter):
             if hits.numel():
                 return size, int(hits[-1]) + size
         return 0, 0
-
-    def rollback(self, state: NgramState, n: int) -> None:
-        state.last = None  # a rewound context may get another token at the same position
 
     def propose(self, state: NgramState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
         size, start = self.match(state, ctx.ids, ctx.n)

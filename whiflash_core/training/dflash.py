@@ -27,27 +27,29 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids
+from ..drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from ..layers import init_linear_
-from ..loading import SMOLLM2_MASK_TOKEN_ID
 from ..target import TargetModel
-from .common import (DrafterTask, Item, TrainSettings, add_common_args, chain_metrics, init_head_norm, slot_counts,
-                     train)
+from ..cli_args import add_arguments, setting
+from .loop import TrainSettings, train
+from .task import DrafterTask, Item, chain_metrics, init_head_norm, slot_counts
 
 
 @dataclass
 class DFlashSettings(TrainSettings):
-    lr: float = 6e-4
-    clip: float = 1.0
-    block_size: int = 8
-    layers: int = 2
-    gamma: float = 4.0                  # paper: 7 at b=16, 5 at b=10, 4 at b=8
-    anchors_per_seq: int = 64
-    num_features: int = 4
-    target_layer_ids: str | None = None  # comma-separated, z-lab convention (layer outputs)
-    mask_token_id: int | None = None     # default: SmolLM2's <empty_output> (16)
-    val_anchor_stride: int = 1
-    max_block_queries: int = 1024        # evaluation: queries per forward (memory bound)
+    lr: float = setting(6e-4, "peak learning rate")
+    clip: float = setting(1.0, "gradient-norm clip")
+    block_size: int = setting(8, "block length b (b-1 drafts per forward)")
+    layers: int = setting(2, "drafter decoder layers")
+    # paper: 7 at b=16, 5 at b=10, 4 at b=8
+    gamma: float = setting(4.0, "slot j's loss weight is exp(-(j-1)/gamma)")
+    anchors_per_seq: int = setting(64, "random blocks per sequence per step")
+    num_features: int = setting(4, "tapped target layers (z-lab default rule)")
+    target_layer_ids: str | None = setting(None, "explicit z-lab layer ids (outputs of decoder layer i), "
+                                           "comma-separated")
+    mask_token_id: int | None = setting(None, f"default {SMOLLM2_MASK_TOKEN_ID} (SmolLM2 <empty_output>)")
+    val_anchor_stride: int = setting(1, "validate every k-th response position")
+    max_block_queries: int = setting(1024, "evaluation: queries per forward (memory bound)", cli=False)
 
 
 # --------------------------------------------------------------------------- block forward
@@ -198,16 +200,7 @@ def build_task(target: TargetModel, vocab_ids: torch.Tensor, s: DFlashSettings,
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("dflash", help="train a DFlash block drafter",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p, lr=6e-4, clip=1.0)
-    p.add_argument("--block-size", type=int, default=8, help="block length b (b-1 drafts per forward)")
-    p.add_argument("--layers", type=int, default=2, help="drafter decoder layers")
-    p.add_argument("--gamma", type=float, default=4.0, help="slot j's loss weight is exp(-(j-1)/gamma)")
-    p.add_argument("--anchors-per-seq", type=int, default=64, help="random blocks per sequence per step")
-    p.add_argument("--num-features", type=int, default=4, help="tapped target layers (z-lab default rule)")
-    p.add_argument("--target-layer-ids", default=None,
-                   help="explicit z-lab layer ids (outputs of decoder layer i), comma-separated")
-    p.add_argument("--mask-token-id", type=int, default=None, help="default 16 (SmolLM2 <empty_output>)")
-    p.add_argument("--val-anchor-stride", type=int, default=1, help="validate every k-th response position")
+    add_arguments(p, DFlashSettings)
     p.set_defaults(func=run)
     return p
 

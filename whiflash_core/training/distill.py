@@ -34,6 +34,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from whiflash_core.cli_args import add_arguments, from_args, setting
 from whiflash_core.training.prompts import Conversation, load_prompts, source_info
 
 # torch and transformers are imported inside functions: `whiflash train --help` stays fast
@@ -49,60 +50,41 @@ IDENTITY_SETTINGS = ("model", "dtype", "max_new_tokens", "max_prompt_tokens", "t
 
 # --------------------------------------------------------------------------- CLI
 
+@dataclass
+class DistillSettings:
+    """`whiflash train distill` settings; its flags are generated from these fields (cli_args.py)."""
+    prompts: list[str] = setting(help="prompt files or directories (known sources or generic messages JSONL)",
+                                 metavar="FILE_OR_DIR")
+    out: str = setting(help="output directory (resumed when it exists)")
+    model: str | None = setting(None, "HF model directory (default: the embedded SmolLM2-135M-Instruct GGUF)")
+    dtype: str = setting("bfloat16", "target dtype", choices=["bfloat16", "float32"])
+    max_new_tokens: int = setting(256, "longest answer")
+    max_prompt_tokens: int = setting(768, "longer prompts are dropped")
+    batch_size: int = setting(32, "most prompts per generate call (32 measured about 20%% faster than 16 on "
+                              "short prompts, 1 thread)")
+    max_batch_tokens: int = setting(16384, "cap on batch * (prompt length + max new tokens): smaller batches for "
+                                    "long prompts")
+    sample_frac: float = setting(0.2, "fraction of train prompts answered by sampling instead of greedy")
+    temperature: float = setting(0.7, "sampling temperature of those")
+    val_per_source: int = setting(8, "prompts per source held apart in the 'val' split (answered greedily)")
+    seed: int = setting(0, "prompt split and sampling")
+    threads: int = setting(1, "torch threads (other work shares the CPU)")
+    limit: int | None = setting(None, "answer at most N not-yet-done prompts in this run, then stop")
+    per_source: int | None = setting(None, "in this run, fill each source's train split up to N samples at most "
+                                     "(a balanced first pass over all sources; a later run without it goes on)")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DistillSettings":
+        return from_args(cls, args)
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "distill", help="generate self-distillation data with the target model",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompts", nargs="+", required=True, metavar="FILE_OR_DIR",
-                   help="prompt files or directories (known sources or generic messages JSONL)")
-    p.add_argument("--out", required=True, help="output directory (resumed when it exists)")
-    p.add_argument("--model", default=None,
-                   help="HF model directory (default: the embedded SmolLM2-135M-Instruct GGUF)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=768, help="longer prompts are dropped")
-    p.add_argument("--batch-size", type=int, default=32,
-                   help="most prompts per generate call (32 measured about 20%% faster than 16 "
-                        "on short prompts, 1 thread)")
-    p.add_argument("--max-batch-tokens", type=int, default=16384,
-                   help="cap on batch * (prompt length + max new tokens): smaller batches for long prompts")
-    p.add_argument("--sample-frac", type=float, default=0.2,
-                   help="fraction of train prompts answered by sampling instead of greedy")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--val-per-source", type=int, default=8,
-                   help="prompts per source held apart in the 'val' split (answered greedily)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1, help="torch threads (other work shares the CPU)")
-    p.add_argument("--limit", type=int, default=None,
-                   help="answer at most N not-yet-done prompts in this run, then stop")
-    p.add_argument("--per-source", type=int, default=None,
-                   help="in this run, fill each source's train split up to N samples at most "
-                        "(a balanced first pass over all sources; a later run without it goes on)")
+    add_arguments(p, DistillSettings)
     p.set_defaults(func=run)
     return p
-
-
-@dataclass
-class DistillSettings:
-    prompts: list[str]
-    out: str
-    model: str | None = None
-    dtype: str = "bfloat16"
-    max_new_tokens: int = 256
-    max_prompt_tokens: int = 768
-    batch_size: int = 32
-    max_batch_tokens: int = 16384
-    sample_frac: float = 0.2
-    temperature: float = 0.7
-    val_per_source: int = 8
-    seed: int = 0
-    threads: int = 1
-    limit: int | None = None
-    per_source: int | None = None
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "DistillSettings":
-        return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__})
 
 
 def run(args: argparse.Namespace) -> int:

@@ -30,19 +30,21 @@ import torch.nn.functional as F
 from ..drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3Layer
 from ..layers import apply_rope, init_linear_
 from ..target import TargetModel
-from .common import (DrafterTask, Item, TrainSettings, add_common_args, chain_metrics, init_head_norm, slot_counts,
-                     train)
+from ..cli_args import add_arguments, setting
+from .loop import TrainSettings, train
+from .task import DrafterTask, Item, chain_metrics, init_head_norm, slot_counts
 
 
 @dataclass
 class Eagle3Settings(TrainSettings):
-    lr: float = 5e-4
-    clip: float = 0.5
-    ttt_steps: int = 5
-    step_decay: float = 0.8
-    taps: str | None = None         # comma-separated HF hidden_states indices; default 2,L//2,L-3
-    init_layer: int | None = None   # initialise the decoder layer from this target layer
-    num_draft_tokens: int = 4       # chain length written into the exported config
+    lr: float = setting(5e-4, "peak learning rate")
+    clip: float = setting(0.5, "gradient-norm clip")
+    ttt_steps: int = setting(5, "unrolled drafting steps (>= the chain length used)")
+    step_decay: float = setting(0.8, "loss weight of step k is decay**k")
+    taps: str | None = setting(None, "HF hidden_states indices, comma-separated (default 2,L//2,L-3)")
+    init_layer: int | None = setting(None, "initialise the decoder layer from this target layer (o_proj, MLP, "
+                                     "norms, q/k/v hidden half)")
+    num_draft_tokens: int = setting(4, "chain length written into the exported config")
 
 
 # --------------------------------------------------------------------------- TTT forward
@@ -285,13 +287,7 @@ def init_from_target_layer(layer: Eagle3Layer, target: TargetModel, index: int) 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("eagle3", help="train an EAGLE-3 drafter (training-time test)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p, lr=5e-4, clip=0.5)
-    p.add_argument("--ttt-steps", type=int, default=5, help="unrolled drafting steps (>= the chain length used)")
-    p.add_argument("--step-decay", type=float, default=0.8, help="loss weight of step k is decay**k")
-    p.add_argument("--taps", default=None, help="HF hidden_states indices, comma-separated (default 2,L//2,L-3)")
-    p.add_argument("--init-layer", type=int, default=None,
-                   help="initialise the decoder layer from this target layer (o_proj, MLP, norms, q/k/v hidden half)")
-    p.add_argument("--num-draft-tokens", type=int, default=4, help="chain length written into the config")
+    add_arguments(p, Eagle3Settings)
     p.set_defaults(func=run)
     return p
 

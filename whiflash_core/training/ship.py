@@ -22,7 +22,9 @@ import torch
 from safetensors import safe_open
 
 from ..drafters.checkpoint import load_state_dict, save_state_dict
-from .common import build_draft_vocab, load_checkpoint, load_examples, read_log
+from .data import build_draft_vocab, load_examples
+from .logs import read_log
+from .loop import load_checkpoint
 
 
 def tokens_seen(ckpt: dict[str, Any]) -> int:

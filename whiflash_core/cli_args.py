@@ -1,0 +1,68 @@
+"""Command-line flags generated from settings dataclasses, so each default is written once.
+
+One `--flag` per field: its type from the annotation, its default the field's, its help the
+field's `help` metadata. Declare fields with `setting(default, help, ...)`:
+
+    steps: int = setting(2000, "optimizer steps (the schedule's length)")
+
+Metadata understood: help, choices, metavar, flag (the flag's name, e.g. "--no-autocast" for a
+field that defaults to True), hidden (no help line), cli=False (no flag at all). A field without a
+default is a required flag; a bool defaulting to False is a switch, one defaulting to True gets a
+`--no-...` switch that turns it off; a list[...] field takes one or more values.
+"""
+from __future__ import annotations
+
+import argparse
+import types
+from dataclasses import MISSING, Field, field, fields
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+
+def setting(default: Any = MISSING, help: str | None = None, **meta: Any) -> Any:
+    """A dataclass field with its CLI help (and other flag metadata) attached."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+def _plain(tp: Any) -> Any:
+    """`int | None` -> int (argparse converts the value; None stays the default)."""
+    if get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
+    meta = f.metadata
+    name = f.name.replace("_", "-")
+    kw: dict[str, Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else meta.get("help")}
+    kw.update({k: meta[k] for k in ("choices", "metavar") if k in meta})
+    required = f.default is MISSING and f.default_factory is MISSING
+    if tp is bool:
+        if f.default:
+            p.add_argument(meta.get("flag", f"--no-{name}"), dest=f.name, action="store_false", **kw)
+        else:
+            p.add_argument(meta.get("flag", f"--{name}"), dest=f.name, action="store_true", **kw)
+        return
+    if get_origin(tp) is list:
+        kw.update(nargs="+", type=get_args(tp)[0])
+    else:
+        kw["type"] = tp
+    if required:
+        kw["required"] = True
+    else:
+        kw["default"] = f.default
+    p.add_argument(meta.get("flag", f"--{name}"), dest=f.name, **kw)
+
+
+def add_arguments(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of the dataclass `cls` (or per field named in `only`); fields with
+    cli=False are left out."""
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        if f.metadata.get("cli", True) and (only is None or f.name in only):
+            _add(p, f, _plain(hints[f.name]))
+
+
+def from_args(cls: type, args: argparse.Namespace):
+    """The dataclass `cls` from parsed flags (fields without a flag keep their default)."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

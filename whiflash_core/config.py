@@ -1,0 +1,45 @@
+"""Speculation settings: the one definition of every knob, its default, bounds and help.
+
+The engine reads `SpeculationConfig`; the API's `speculation` object (app/schemas.py) and the
+server's defaults (app/settings.py) are generated from its fields, so a default or a bound is
+written once, here.
+
+Field metadata: `help` (text for the API schema and CLIs), `ge` / `le` (bounds checked by the API
+and the server settings), `api=False` for engine-only knobs a request cannot set.
+"""
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any
+
+from .router import Method
+
+
+@dataclass
+class SpeculationConfig:
+    method: Method = field(default="whiflash", metadata={
+        "help": "drafting method: none, eagle3, dflash, ngram (prompt lookup) or whiflash (routed)"})
+    alpha: float = field(default=0.5, metadata={
+        "ge": 0.0, "le": 1.0, "help": "router trade-off: 0 = most accepted tokens, 1 = most tokens/s"})
+    num_draft_tokens: int | None = field(default=None, metadata={
+        "ge": 1, "le": 64, "help": "EAGLE-3 chain / prompt-lookup draft length (default: the drafter's)"})
+    block_size: int | None = field(default=None, metadata={
+        "ge": 2, "le": 65, "help": "DFlash block incl. the anchor (default: the drafter's)"})
+    prompt_lookup: bool = field(default=True, metadata={
+        "help": "whiflash: take a prompt-lookup draft first where the context repeats"})
+    trace: bool = field(default=False, metadata={"help": "return every token with its source and round"})
+    entropy_threshold: float | None = field(default=None, metadata={
+        "api": False, "help": "explicit router threshold instead of the calibrated one"})
+
+
+def speculation_field(name: str) -> dict[str, Any]:
+    """Default, bounds and description of one SpeculationConfig field (for pydantic's Field)."""
+    f = next(f for f in fields(SpeculationConfig) if f.name == name)
+    out: dict[str, Any] = {"default": None if f.default is MISSING else f.default, "description": f.metadata["help"]}
+    out.update({k: f.metadata[k] for k in ("ge", "le") if k in f.metadata})
+    return out
+
+
+def api_fields() -> list[str]:
+    """The fields a request's `speculation` object may set."""
+    return [f.name for f in fields(SpeculationConfig) if f.metadata.get("api", True)]

@@ -1,0 +1,105 @@
+"""Training data: distilled samples as `Example`s, the draft vocabulary, and epochs packed into
+batches.
+
+    load_examples()      distilled samples -> Example (prompt + response ids)
+    pick_val()           a stable, source-balanced validation subset
+    build_draft_vocab()  the most frequent response (assistant) tokens
+    plan_epoch()         shuffled, then packed up to a token budget
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .distill import load_distilled
+
+
+@dataclass
+class Example:
+    """One prompt + response sequence. Loss positions are response tokens (index >= prompt_len)."""
+    id: str
+    source: str
+    ids: torch.Tensor           # [T] long
+    prompt_len: int
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[0]
+
+    def response_mask(self) -> torch.Tensor:
+        mask = torch.zeros(self.length, dtype=torch.bool)
+        mask[self.prompt_len:] = True
+        return mask
+
+
+def load_examples(data_dir: str, split: str, max_len: int, exclude: str = "") -> list[Example]:
+    """Distilled samples as Examples, truncated to max_len; sequences with < 2 response tokens
+    (nothing to learn from) and those from the comma-separated `exclude` sources are dropped."""
+    excluded = {x.strip() for x in exclude.split(",") if x.strip()}
+    out = []
+    for s in load_distilled(data_dir, split):
+        if s["source"] in excluded:
+            continue
+        ids = np.concatenate([s["prompt_ids"], s["response_ids"]]).astype(np.int64)[:max_len]
+        p = len(s["prompt_ids"])
+        if len(ids) - p >= 2:
+            out.append(Example(s["id"], s["source"], torch.from_numpy(ids), p))
+    return out
+
+
+def pick_val(examples: list[Example], n: int) -> list[Example]:
+    """Up to n examples, round-robin over sources (each source sorted by id): a stable subset."""
+    if n <= 0 or n >= len(examples):
+        return sorted(examples, key=lambda e: e.id)
+    by_source: dict[str, list[Example]] = defaultdict(list)
+    for e in sorted(examples, key=lambda e: e.id):
+        by_source[e.source].append(e)
+    picked, i = [], 0
+    while len(picked) < n:
+        for src in sorted(by_source):
+            if i < len(by_source[src]) and len(picked) < n:
+                picked.append(by_source[src][i])
+        i += 1
+    return picked
+
+
+def build_draft_vocab(examples: list[Example], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """(sorted target ids of the `size` most frequent response tokens, their share of response
+    tokens). Ties break by id; fewer seen tokens are padded with the lowest unseen ids (as EAGLE-3
+    and speculators do)."""
+    size = min(size, vocab_size)
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in examples:
+        counts += torch.bincount(e.ids[e.prompt_len:], minlength=vocab_size)
+    # stable sort on -count keeps id order among equal counts
+    order = torch.sort(-counts, stable=True).indices[:size]
+    coverage = float(counts[order].sum()) / max(int(counts.sum()), 1)
+    return torch.sort(order).values, coverage
+
+
+def plan_epoch(examples: list[Example], batch_tokens: int, seed: int, epoch: int) -> list[list[str]]:
+    """Example ids in a seeded random order, packed greedily into batches of <= batch_tokens
+    tokens (a longer sequence forms a batch on its own)."""
+    order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    batches: list[list[str]] = []
+    cur: list[str] = []
+    tokens = 0
+    for i in order.tolist():
+        e = examples[i]
+        if cur and tokens + e.length > batch_tokens:
+            batches.append(cur)
+            cur, tokens = [], 0
+        cur.append(e.id)
+        tokens += e.length
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """Randomness of one step (e.g. DFlash anchors) as a function of (seed, step) alone, so a
+    resumed run draws exactly what an uninterrupted one would."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + step)
