@@ -197,3 +197,16 @@ def test_init_from_a_drafter_shipped_before_cumulative_fields(target, first_dir,
     assert t["cumulative_hours"] == pytest.approx(1.75 + t["wall_hours"], abs=1e-3)
     assert t["lineage"] == [{"data": [first_dir], "exclude_sources": "tools", "steps": 6, "tokens": c1["tokens"],
                              "hours": 1.75, "init_from": None}]
+
+
+def test_cli_flags():
+    import argparse
+
+    from whiflash_core.training import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["train", "dflash", "--data", "a,b", "--out", "o", "--init-from", "models/x/dflash"])
+    s = TD.DFlashSettings.from_args(args)
+    assert s.data == "a,b" and s.init_from == "models/x/dflash"
+    assert TE.Eagle3Settings.from_args(parser.parse_args(["train", "eagle3", "--data", "a", "--out", "o"])).init_from is None

@@ -270,6 +270,16 @@ def _train_step(task: DrafterTask, opt: torch.optim.Optimizer, params: list[nn.P
     return total, gnorm
 
 
+def _warn_dropped_exclusions(prior: dict[str, Any], exclude: str, say: Callable[[str], None]) -> None:
+    """Earlier runs left some sources out (licences of weights that ship): say so when this run
+    would train on them, since --exclude-sources is not inherited with the weights."""
+    now = {x.strip() for x in exclude.split(",") if x.strip()}
+    before = {x.strip() for r in prior["lineage"] for x in r.get("exclude_sources", "").split(",") if x.strip()}
+    if before - now:
+        say(f"warning: earlier runs of these weights excluded {','.join(sorted(before - now))}; "
+            "this run trains on them (pass --exclude-sources to keep them out)")
+
+
 def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel | None = None,
           quiet: bool = False) -> dict[str, Any]:
     """Train (or resume) one drafter; returns a summary. `target` may be passed in (tests)."""
@@ -335,6 +345,8 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
         raise SystemExit(f"{len(missing)} samples of the checkpoint's epoch are gone from {s.data}")
 
     say = (lambda *a: None) if quiet else (lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
+    if prior and ckpt is None:
+        _warn_dropped_exclusions(prior, s.exclude_sources, say)
     say(f"{len(train_set)} train / {len(val_set)} val sequences; draft vocab {len(vocab_ids)} covers "
         f"{coverage:.1%} of response tokens; {n_params / 1e6:.2f} M trainable parameters; "
         f"{'resuming at step ' + str(pos.step) if ckpt is not None else 'starting'}"
