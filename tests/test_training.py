@@ -56,16 +56,17 @@ def target():
     return model
 
 
-def write_dataset(target, d: Path, n_train: int, n_val: int) -> str:
-    """Random prompts, greedy answers of the tiny target, in the distillation pipeline's format."""
-    gen = torch.Generator().manual_seed(0)
+def write_dataset(target, d: Path, n_train: int, n_val: int, seed: int = 0, prefix: str = "") -> str:
+    """Random prompts, greedy answers of the tiny target, in the distillation pipeline's format.
+    Sample ids are `{prefix}{split}-{i}` (another directory of the same run needs another prefix)."""
+    gen = torch.Generator().manual_seed(seed)
     for split, count in (("train", n_train), ("val", n_val)):
         samples = []
         for i in range(count):
             p_len = int(torch.randint(6, 20, (1,), generator=gen))
             prompt = torch.randint(0, VOCAB, (p_len,), generator=gen).tolist()
             r_len = int(torch.randint(16, 32, (1,), generator=gen))
-            samples.append(Sample(f"{split}-{i}", "chat" if i % 2 else "tools", np.array(prompt, dtype=np.uint16),
+            samples.append(Sample(f"{prefix}{split}-{i}", "chat" if i % 2 else "tools", np.array(prompt, dtype=np.uint16),
                                   np.array(greedy(target, prompt, r_len), dtype=np.uint16), False, False))
         os.makedirs(d / "shards" / split)
         write_samples(str(d / "shards" / split / "000-000000.npz"), samples)
@@ -222,7 +223,7 @@ def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
     card = (dest / "README.md").read_text()
     tokens = sum(e.length for e in load_examples(small_data_dir, "train", 2048)) * 30  # one batch per epoch
     assert "Steps: 30 (epoch 29)" in card and f"tokens seen: {tokens:,}" in card, card
-    assert "| chat | MIT | 2 | 40 |" in card and (dest / "loss.png").exists()
+    assert f"| chat | MIT | {Path(small_data_dir).name} | 2 | 40 |" in card and (dest / "loss.png").exists()
 
     # --draft-vocab N keeps the N most frequent of the trained head rows, unchanged (size budget)
     pruned = Path(ship(str(out), "eagle3", str(tmp_path / "pruned"), None, draft_vocab=16))

@@ -1,7 +1,8 @@
 """Training data: distilled samples as `Example`s, the draft vocabulary, and epochs packed into
 batches.
 
-    load_examples()      distilled samples -> Example (prompt + response ids)
+    data_dirs()          the `--data` value (comma-separated distilled directories) as a list
+    load_examples()      distilled samples of every directory -> Example (prompt + response ids)
     pick_val()           a stable, source-balanced validation subset
     build_draft_vocab()  the most frequent response (assistant) tokens
     plan_epoch()         shuffled, then packed up to a token budget
@@ -35,18 +36,34 @@ class Example:
         return mask
 
 
-def load_examples(data_dir: str, split: str, max_len: int, exclude: str = "") -> list[Example]:
-    """Distilled samples as Examples, truncated to max_len; sequences with < 2 response tokens
-    (nothing to learn from) and those from the comma-separated `exclude` sources are dropped."""
+def data_dirs(data: str) -> list[str]:
+    """`--data a,b` -> ["a", "b"]. A comma list (not nargs) keeps `data` one string, so settings
+    stored by earlier runs (checkpoints, configs) read the same way."""
+    dirs = [d.strip() for d in data.split(",") if d.strip()]
+    if not dirs:
+        raise ValueError("no data directory given")
+    return dirs
+
+
+def load_examples(data: str, split: str, max_len: int, exclude: str = "") -> list[Example]:
+    """Distilled samples of every directory in `data` (comma-separated) as Examples, truncated to
+    max_len; sequences with < 2 response tokens (nothing to learn from) and those from the
+    comma-separated `exclude` sources are dropped. Ids ("source/key") must be unique across the
+    directories: batches and checkpoints refer to examples by id."""
     excluded = {x.strip() for x in exclude.split(",") if x.strip()}
-    out = []
-    for s in load_distilled(data_dir, split):
-        if s["source"] in excluded:
-            continue
-        ids = np.concatenate([s["prompt_ids"], s["response_ids"]]).astype(np.int64)[:max_len]
-        p = len(s["prompt_ids"])
-        if len(ids) - p >= 2:
-            out.append(Example(s["id"], s["source"], torch.from_numpy(ids), p))
+    out: list[Example] = []
+    origin: dict[str, str] = {}
+    for data_dir in data_dirs(data):
+        for s in load_distilled(data_dir, split):
+            if s["id"] in origin:
+                raise ValueError(f"sample {s['id']!r} is in both {origin[s['id']]} and {data_dir}")
+            origin[s["id"]] = data_dir
+            if s["source"] in excluded:
+                continue
+            ids = np.concatenate([s["prompt_ids"], s["response_ids"]]).astype(np.int64)[:max_len]
+            p = len(s["prompt_ids"])
+            if len(ids) - p >= 2:
+                out.append(Example(s["id"], s["source"], torch.from_numpy(ids), p))
     return out
 
 
@@ -66,18 +83,33 @@ def pick_val(examples: list[Example], n: int) -> list[Example]:
     return picked
 
 
-def build_draft_vocab(examples: list[Example], size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
-    """(sorted target ids of the `size` most frequent response tokens, their share of response
-    tokens). Ties break by id; fewer seen tokens are padded with the lowest unseen ids (as EAGLE-3
-    and speculators do)."""
-    size = min(size, vocab_size)
+def response_counts(examples: list[Example], vocab_size: int) -> torch.Tensor:
+    """[vocab_size] how often each token occurs in the responses."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for e in examples:
         counts += torch.bincount(e.ids[e.prompt_len:], minlength=vocab_size)
+    return counts
+
+
+def build_draft_vocab(examples: list[Example], size: int, vocab_size: int,
+                      within: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+    """(sorted target ids of the `size` most frequent response tokens, their share of response
+    tokens). Ties break by id; fewer seen tokens are padded with the lowest unseen ids (as EAGLE-3
+    and speculators do). `within` (sorted target ids) restricts the choice to those ids (pruning
+    a trained head keeps only rows it has)."""
+    counts = response_counts(examples, vocab_size)
+    candidates = torch.arange(vocab_size) if within is None else within
+    size = min(size, len(candidates))
     # stable sort on -count keeps id order among equal counts
-    order = torch.sort(-counts, stable=True).indices[:size]
+    order = candidates[torch.sort(-counts[candidates], stable=True).indices[:size]]
     coverage = float(counts[order].sum()) / max(int(counts.sum()), 1)
     return torch.sort(order).values, coverage
+
+
+def vocab_coverage(examples: list[Example], ids: torch.Tensor, vocab_size: int) -> float:
+    """Share of the response tokens that a given draft vocabulary (target ids) covers."""
+    counts = response_counts(examples, vocab_size)
+    return float(counts[ids].sum()) / max(int(counts.sum()), 1)
 
 
 def plan_epoch(examples: list[Example], batch_tokens: int, seed: int, epoch: int) -> list[list[str]]:

@@ -15,6 +15,9 @@ Output directory (`--out DIR`, shareable by both trainers):
     DIR/{name}.loss.png     loss / accuracy curves
     DIR/{name}/             the drafter in its published layout (what `--drafters DIR` loads)
     DIR/features/           cached target features (unless --feature-cache none)
+
+`--init-from DRAFTER` starts from a shipped or exported drafter instead of a random init
+(init_from.py); exports then count its steps, tokens and hours into cumulative totals.
 """
 from __future__ import annotations
 
@@ -32,8 +35,10 @@ from torch import nn
 
 from ..cli_args import from_args, setting
 from ..target import TargetModel
-from .data import Example, build_draft_vocab, load_examples, pick_val, plan_epoch, step_generator
+from .data import (Example, build_draft_vocab, data_dirs, load_examples, pick_val, plan_epoch, step_generator,
+                   vocab_coverage)
 from .features import FeatureStore
+from .init_from import InitDrafter, load_init, totals
 from .logs import MetricsLog, plot_log, read_log
 from .task import DrafterTask, Item, slot_counts
 
@@ -44,7 +49,8 @@ from .task import DrafterTask, Item, slot_counts
 class TrainSettings:
     """Settings shared by both trainers (each trainer subclasses this with its own). The
     `whiflash train` flags are generated from these fields (cli_args.py)."""
-    data: str = setting(help="distilled data directory (`whiflash train distill --out`)")
+    data: str = setting(help="distilled data directories (`whiflash train distill --out`), comma-separated; "
+                        "train and val splits are their union")
     out: str = setting(help="output directory (checkpoint, logs, plot, exported drafter)")
     steps: int = setting(2000, "optimizer steps (the schedule's length)")
     lr: float = setting(5e-4, "peak learning rate")
@@ -67,6 +73,9 @@ class TrainSettings:
     val_samples: int = setting(64, "val sequences, round-robin over sources (0 = the whole val split)")
     ckpt_every: int = setting(50, "steps between checkpoints")
     resume: bool = setting(False, "continue from DIR's checkpoint")
+    init_from: str | None = setting(None, "start a new run from this shipped/exported drafter (same kind): its "
+                                    "weights, draft vocabulary and architecture (overriding --draft-vocab, "
+                                    "--layers, --taps...); exports count its steps, tokens and hours in")
     feature_cache: str | None = setting(None, "directory for cached target features (default DIR/features; "
                                         "'none' = off)")
     model: str | None = setting(None, "target HF directory (default: embedded SmolLM2)")
@@ -182,6 +191,21 @@ class _Position:
     epoch: int
     batch_i: int
     plan: list[list[str]]     # this epoch's batches of example ids
+    tokens: int = 0           # prompt + response tokens trained on so far
+
+
+def tokens_seen(ckpt: dict[str, Any]) -> int:
+    """Prompt + response tokens a checkpoint's run has trained on. Checkpoints from before the
+    loop counted them: whole epochs of the (filtered) train split plus the batches already taken
+    from the current epoch's plan (exact unless the data grew between epochs)."""
+    if "tokens" in ckpt:
+        return ckpt["tokens"]
+    s = ckpt["settings"]
+    examples = load_examples(s["data"], "train", s["max_len"], s.get("exclude_sources", ""))
+    length = {e.id: e.length for e in examples}
+    per_epoch = sum(length.values())
+    current = sum(length[i] for batch in ckpt["plan"][:ckpt["batch_i"]] for i in batch)
+    return ckpt["epoch"] * per_epoch + current
 
 
 class _Window:
@@ -246,6 +270,16 @@ def _train_step(task: DrafterTask, opt: torch.optim.Optimizer, params: list[nn.P
     return total, gnorm
 
 
+def _warn_dropped_exclusions(prior: dict[str, Any], exclude: str, say: Callable[[str], None]) -> None:
+    """Earlier runs left some sources out (licences of weights that ship): say so when this run
+    would train on them, since --exclude-sources is not inherited with the weights."""
+    now = {x.strip() for x in exclude.split(",") if x.strip()}
+    before = {x.strip() for r in prior["lineage"] for x in r.get("exclude_sources", "").split(",") if x.strip()}
+    if before - now:
+        say(f"warning: earlier runs of these weights excluded {','.join(sorted(before - now))}; "
+            "this run trains on them (pass --exclude-sources to keep them out)")
+
+
 def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel | None = None,
           quiet: bool = False) -> dict[str, Any]:
     """Train (or resume) one drafter; returns a summary. `target` may be passed in (tests)."""
@@ -271,12 +305,19 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
     if not train_set:
         raise SystemExit(f"no training samples in {s.data}")
 
+    init: InitDrafter | None = None
     if ckpt is not None:
         vocab_ids, coverage = ckpt["vocab_ids"], ckpt["vocab_coverage"]
         config = ckpt["config"]
+        prior = ckpt.get("prior")
+    elif s.init_from:
+        # the init drafter's vocabulary and shapes, so its weights load one to one
+        init = load_init(s.init_from, name, target)
+        vocab_ids, config, prior = init.vocab_ids, init.config, init.prior
+        coverage = vocab_coverage(train_set, vocab_ids, target.cfg.vocab_size)
     else:
         vocab_ids, coverage = build_draft_vocab(train_set, s.draft_vocab, target.cfg.vocab_size)
-        config = None
+        config, prior = None, None
         torch.manual_seed(s.seed)  # initialisation
     task = factory(target, vocab_ids, s, config)
     params = task.trainable(s.freeze_head)
@@ -290,9 +331,11 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
         task.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["rng"])
-        pos = _Position(ckpt["step"], ckpt["epoch"], ckpt["batch_i"], ckpt["plan"])
+        pos = _Position(ckpt["step"], ckpt["epoch"], ckpt["batch_i"], ckpt["plan"], tokens_seen(ckpt))
         wall0 = ckpt.get("wall_s", 0.0)
     else:
+        if init is not None:
+            task.load_state_dict(init.state)
         pos = _Position(0, 0, 0, plan_epoch(train_set, s.batch_tokens, s.seed, 0))
         wall0 = 0.0
     log = MetricsLog(log_path, keep_until=pos.step if ckpt is not None else None)
@@ -302,22 +345,28 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
         raise SystemExit(f"{len(missing)} samples of the checkpoint's epoch are gone from {s.data}")
 
     say = (lambda *a: None) if quiet else (lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True))
+    if prior and ckpt is None:
+        _warn_dropped_exclusions(prior, s.exclude_sources, say)
     say(f"{len(train_set)} train / {len(val_set)} val sequences; draft vocab {len(vocab_ids)} covers "
         f"{coverage:.1%} of response tokens; {n_params / 1e6:.2f} M trainable parameters; "
-        f"{'resuming at step ' + str(pos.step) if ckpt is not None else 'starting'}")
+        f"{'resuming at step ' + str(pos.step) if ckpt is not None else 'starting'}"
+        f"{' from ' + prior['init_from'] + ' (' + str(prior['steps']) + ' steps before)' if prior else ''}")
 
     def checkpoint() -> None:
         save_checkpoint(ckpt_path, {
             "name": name, **asdict(pos),
             "model": task.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
             "config": task.config(), "vocab_ids": vocab_ids, "vocab_coverage": coverage,
-            "settings": asdict(s), "wall_s": wall0 + time.time() - t_start,
+            "settings": asdict(s), "wall_s": wall0 + time.time() - t_start, "prior": prior,
         })
 
     def export() -> None:
+        hours = (wall0 + time.time() - t_start) / 3600
         task.export(export_dir, {"whiflash_training": {
-            "step": pos.step, "data": os.path.abspath(s.data), "train_sequences": len(train_set),
-            "draft_vocab_coverage": round(coverage, 4), "last_val": last_val}})
+            "step": pos.step, "data": [os.path.abspath(d) for d in data_dirs(s.data)],
+            "exclude_sources": s.exclude_sources, "train_sequences": len(train_set),
+            "draft_vocab_coverage": round(coverage, 4), "last_val": last_val,
+            **totals(prior, pos.step, pos.tokens, hours)}})
 
     t_start = time.time()
     vals = [r for r in read_log(log_path) if r["kind"] == "val"] if ckpt is not None else []
@@ -336,6 +385,7 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
             loss, gnorm = _train_step(task, opt, params, store, batch, s, pos.step, window.counts)
             lr = lr_at(pos.step, s)
             pos.step += 1
+            pos.tokens += sum(e.length for e in batch)
             step = pos.step
             window.add(loss, gnorm, sum(e.length for e in batch))
 

@@ -5,7 +5,8 @@
 
 Reads everything the card states from files, never from memory: the run's checkpoint (settings,
 steps, epochs, wall time), its metrics log (last train and val records), the distillation
-manifest (sources, licences, token counts) and, when given, a `whiflash bench` results file
+manifests of every data directory (sources, licences, token counts), the lineage of runs the
+weights continue (`--init-from`: cumulative steps, tokens, hours) and, when given, a `whiflash bench` results file
 (acceptance length and speed per Spec-Bench category). Run it once to ship the weights, bench,
 then again with `--bench` to put the measured numbers into the card.
 """
@@ -22,36 +23,49 @@ import torch
 from safetensors import safe_open
 
 from ..drafters.checkpoint import load_state_dict, save_state_dict
-from .data import build_draft_vocab, load_examples
+from .data import build_draft_vocab, data_dirs, load_examples
+from .init_from import totals
 from .logs import read_log
-from .loop import load_checkpoint
+from .loop import load_checkpoint, tokens_seen
 
 
-def tokens_seen(ckpt: dict[str, Any]) -> int:
-    """Prompt + response tokens fed through the drafter's training: whole epochs of the (filtered)
-    train split plus the batches already taken from the current epoch's plan."""
-    s = ckpt["settings"]
-    examples = load_examples(s["data"], "train", s["max_len"], s.get("exclude_sources", ""))
-    length = {e.id: e.length for e in examples}
-    per_epoch = sum(length.values())
-    current = sum(length[i] for batch in ckpt["plan"][:ckpt["batch_i"]] for i in batch)
-    return ckpt["epoch"] * per_epoch + current
-
-
-def data_table(data_dir: str, excluded: set[str]) -> tuple[list[str], int, int]:
-    """Markdown rows (source, licence, samples, response tokens) of the train split actually used."""
-    with open(os.path.join(data_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    by_source = manifest["splits"]["train"]["by_source"]
+def data_table(data: str, excluded: set[str]) -> tuple[list[str], int, int]:
+    """Markdown rows (source, licence, data directory, samples, response tokens) of the train
+    split actually used, for every directory of the comma-separated `data`."""
     rows, samples, tokens = [], 0, 0
-    for src, c in sorted(by_source.items(), key=lambda kv: -kv[1]["response_tokens"]):
-        if src in excluded:
-            continue
-        licence = manifest["sources"].get(src, {}).get("licence", "?")
-        rows.append(f"| {src} | {licence} | {c['samples']:,} | {c['response_tokens']:,} |")
-        samples += c["samples"]
-        tokens += c["response_tokens"]
+    for data_dir in data_dirs(data):
+        with open(os.path.join(data_dir, "manifest.json")) as f:
+            manifest = json.load(f)
+        by_source = manifest["splits"]["train"]["by_source"]
+        for src, c in sorted(by_source.items(), key=lambda kv: -kv[1]["response_tokens"]):
+            if src in excluded:
+                continue
+            licence = manifest["sources"].get(src, {}).get("licence", "?")
+            rows.append(f"| {src} | {licence} | {_dir_name(data_dir)} | {c['samples']:,} | {c['response_tokens']:,} |")
+            samples += c["samples"]
+            tokens += c["response_tokens"]
     return rows, samples, tokens
+
+
+def _dir_name(data_dir: str) -> str:
+    return os.path.basename(os.path.normpath(data_dir))
+
+
+def lineage_lines(prior: dict[str, Any] | None, ckpt: dict[str, Any]) -> list[str]:
+    """Card lines for a run continued from earlier weights (`--init-from`): cumulative totals and
+    each earlier run, so the card accounts for all the training and data behind the weights."""
+    if not prior:
+        return []
+    t = totals(prior, ckpt["step"], tokens_seen(ckpt), ckpt["wall_s"] / 3600)
+    lines = [f"- Cumulative over {len(prior['lineage']) + 1} runs: {t['cumulative_steps']:,} steps, "
+             f"{t['cumulative_tokens']:,} tokens, {t['cumulative_hours']:.2f} h. This run continued the weights "
+             f"of `{prior['init_from']}`; the earlier runs, oldest first:"]
+    for i, r in enumerate(prior["lineage"], 1):
+        excluded = f", excluding {r['exclude_sources']}" if r.get("exclude_sources") else ""
+        lines.append(f"  {i}. {r['steps']:,} steps, {r['tokens']:,} tokens, {r['hours']:.2f} h on "
+                     f"{', '.join(f'`{_dir_name(d)}`' for d in r['data'])}{excluded}"
+                     + (f" (from `{r['init_from']}`)" if r.get("init_from") else ""))
+    return lines
 
 
 def bench_table(path: str, method: str) -> list[str]:
@@ -93,6 +107,7 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
     size_mb = os.path.getsize(os.path.join(dest, "model.safetensors")) / 1e6
     rows, n_samples, n_resp = data_table(s["data"], excluded)
+    prior = ckpt.get("prior")
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items()
                      if k not in ("resume", "stop_at") and v not in (None, "", False, True))
 
@@ -106,7 +121,7 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         "is shared with the target and not stored.",
         "",
         f"- Values stored: {n_params / 1e6:.2f} M ({size_mb:.1f} MB, bf16 weights plus the d2t/t2d vocabulary maps).",
-        f"- Draft vocabulary: {s['draft_vocab']} most frequent response tokens "
+        f"- Draft vocabulary: {_vocab_origin(ckpt)} "
         f"({ckpt['vocab_coverage']:.1%} of the train split's response tokens).",
     ]
     pruned = config.get("whiflash_training", {}).get("pruned_draft_vocab")
@@ -120,7 +135,8 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
                      f"training-time test unrolled {s['ttt_steps']} steps (loss weight {s['step_decay']}^k); "
                      f"default chain length {_chain_length(config)} (chosen by measured tokens/s, see below).")
     else:
-        lines.append(f"- {s.get('layers')} decoder layers, block size {s.get('block_size')}, target layers "
+        # from the config, not the flags: with --init-from the architecture is the init drafter's
+        lines.append(f"- {config['num_hidden_layers']} decoder layers, block size {config['block_size']}, target layers "
                      f"{config.get('dflash_config', {}).get('target_layer_ids', '?')}, loss weight "
                      f"exp(-(k-1)/{s.get('gamma')}), {s.get('anchors_per_seq')} random anchors per sequence per step.")
     lines += [
@@ -130,6 +146,7 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         f"- Steps: {ckpt['step']:,} (epoch {ckpt['epoch']}), tokens seen: {tokens_seen(ckpt):,} "
         f"(prompt + response), wall time: {ckpt['wall_s'] / 3600:.2f} h on 1 CPU thread "
         "(2-core AMD EPYC VM, no GPU; the other core trained the other drafter).",
+        *lineage_lines(prior, ckpt),
         f"- Command: `whiflash train {name} {flags}`",
         f"- Optimiser: AdamW, lr {s['lr']:g}, {s['schedule']} schedule, warm-up {s['warmup']}, "
         f"clip {s['clip']}, batches of {s['batch_tokens']} tokens, bf16 autocast.",
@@ -147,20 +164,43 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
                      + ".")
     lines += ["", "![loss curve](loss.png)", "", "## Data", "",
               f"{n_samples:,} prompts answered by the target ({n_resp:,} response tokens; "
-              "`datasets/smollm2-distill`, made by `whiflash train distill`). Spec-Bench was never used."
-              + (f" Left out for licence reasons: {', '.join(sorted(excluded))}." if excluded else ""), "",
-              "| source | licence | samples | response tokens |", "|---|---|---:|---:|", *rows, ""]
+              f"{', '.join(f'`{d}`' for d in data_dirs(s['data']))}, made by `whiflash train distill`). "
+              "Spec-Bench was never used."
+              + (f" Left out for licence reasons: {', '.join(sorted(excluded))}." if excluded else "")
+              + (" Earlier runs' data: see the lineage above." if prior else ""), "",
+              "| source | licence | data | samples | response tokens |", "|---|---|---|---:|---:|", *rows, ""]
     lines += ["## Acceptance on Spec-Bench", ""]
     lines += bench_table(bench, name) if bench else ["Not benchmarked yet (run `whiflash train ship ... --bench FILE`)."]
     lines.append("")
     return "\n".join(lines)
 
 
+def _vocab_origin(ckpt: dict[str, Any]) -> str:
+    n = len(ckpt["vocab_ids"])
+    if (ckpt.get("prior") or {}).get("init_from"):
+        return f"the {n} rows of the drafter it continues"
+    return f"{n} most frequent response tokens"
+
+
+def _record_totals(dest: str, ckpt: dict[str, Any]) -> None:
+    """Write the card's own counts into the shipped config's whiflash_training block (the export
+    took its wall time a moment before the final checkpoint), so a later --init-from continues
+    from exactly the totals the card states."""
+    path = os.path.join(dest, "config.json")
+    with open(path) as f:
+        config = json.load(f)
+    config.setdefault("whiflash_training", {}).update(
+        totals(ckpt.get("prior"), ckpt["step"], tokens_seen(ckpt), ckpt["wall_s"] / 3600))
+    with open(path, "w") as f:
+        json.dump(config, f, indent=2)
+
+
 def prune_draft_vocab(dest: str, settings: dict[str, Any], keep: int) -> float:
     """Keep the `keep` most frequent rows of a shipped drafter's reduced head (trained rows, not
     re-initialised), so the file fits the repository's size budget; returns their coverage of the
-    train split's response tokens. Frequencies come from the run's own data and filters, so the
-    kept ids are the top `keep` of the same ranking that chose the trained vocabulary."""
+    train split's response tokens. Frequencies come from the run's own data and filters, ranked
+    among the trained rows (for a fresh run those are the top of the same ranking; for an
+    --init-from run, the rows it inherited)."""
     cfg_path = os.path.join(dest, "config.json")
     with open(cfg_path) as f:
         config = json.load(f)
@@ -168,10 +208,8 @@ def prune_draft_vocab(dest: str, settings: dict[str, Any], keep: int) -> float:
     sd = load_state_dict(dest)
     ids = torch.arange(len(sd["d2t"])) + sd["d2t"]  # target id of each draft row
     examples = load_examples(settings["data"], "train", settings["max_len"], settings.get("exclude_sources", ""))
-    kept, coverage = build_draft_vocab(examples, keep, vocab_size)
+    kept, coverage = build_draft_vocab(examples, keep, vocab_size, within=ids)
     rows = torch.searchsorted(ids, kept)
-    if not torch.equal(ids[rows], kept):
-        raise SystemExit("the pruned vocabulary is not a subset of the trained one (different data or filters?)")
     sd["lm_head.weight"] = sd["lm_head.weight"][rows]
     sd["d2t"] = kept - torch.arange(keep)
     if "t2d" in sd:
@@ -206,8 +244,10 @@ def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int 
         config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = num_draft_tokens
         with open(path, "w") as f:
             json.dump(config, f, indent=2)
+    ckpt = load_checkpoint(os.path.join(run, f"{name}.ckpt.pt"))
+    _record_totals(dest, ckpt)
     if draft_vocab is not None:
-        prune_draft_vocab(dest, load_checkpoint(os.path.join(run, f"{name}.ckpt.pt"))["settings"], draft_vocab)
+        prune_draft_vocab(dest, ckpt["settings"], draft_vocab)
     shutil.copyfile(os.path.join(run, f"{name}.loss.png"), os.path.join(dest, "loss.png"))
     card = write_card(run, name, dest, bench)
     with open(os.path.join(dest, "README.md"), "w") as f:
