@@ -37,7 +37,7 @@ PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
 CONTEXT = 256  # cached positions the timed forwards attend to
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 2
+CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -105,30 +105,45 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str):
     return model
 
 
-def _time_rows(model, rows: tuple[int, ...], reps: int) -> dict[int, float]:
-    """Best-of-reps seconds of a forward over r new rows after CONTEXT cached ones (fewer reps for
-    big row counts, whose relative noise is smaller)."""
-    ids = torch.randint(0, model.cfg.vocab_size, (CONTEXT + max(rows),), generator=torch.Generator().manual_seed(0))
-    cache = model.new_cache(CONTEXT + max(rows))
-    model(ids[:CONTEXT], cache, logits_from=CONTEXT - 1)
-    out = {}
-    for r in rows:
-        best = float("inf")
-        for _ in range(reps if r <= 8 else max(1, reps // 2)):
-            t0 = time.perf_counter()
-            model(ids[CONTEXT:CONTEXT + r], cache, logits_from=r - 1)
-            best = min(best, time.perf_counter() - t0)
-            cache.rollback(CONTEXT)
-        out[r] = best
-    return out
+class _Timer:
+    """One model of a candidate with CONTEXT positions cached, timed for r new rows at a time."""
+
+    def __init__(self, model):
+        self.model = model
+        self.ids = torch.randint(0, model.cfg.vocab_size, (CONTEXT + max(PREFILL_ROWS),),
+                                 generator=torch.Generator().manual_seed(0))
+        self.cache = model.new_cache(CONTEXT + max(PREFILL_ROWS))
+        model(self.ids[:CONTEXT], self.cache, logits_from=CONTEXT - 1)
+
+    def once(self, r: int) -> float:
+        t0 = time.perf_counter()
+        self.model(self.ids[CONTEXT:CONTEXT + r], self.cache, logits_from=r - 1)
+        elapsed = time.perf_counter() - t0
+        self.cache.rollback(CONTEXT)
+        return elapsed
 
 
-def time_format(cfg, dtype: str, weights: str, rows: tuple[int, ...], reps: int = 5) -> dict[int, float]:
-    """Estimated seconds of a whole-model forward per row count: T0 + (L / n) * (Tn - T0)."""
+def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5) -> dict[str, dict[int, float]]:
+    """{"dtype/weights": {rows: estimated seconds of a whole-model forward}} = T0 + (L / n) (Tn - T0).
+
+    Every figure is the best of `reps` runs (interference only adds time), and the runs go round
+    robin over all candidates and row counts, so a burst of other work on the machine slows one
+    run of each rather than every run of one candidate.
+    """
     n = min(cfg.num_layers, 8)
-    t0 = _time_rows(_random_model(cfg, 0, getattr(torch, dtype), weights), rows, reps)
-    tn = _time_rows(_random_model(cfg, n, getattr(torch, dtype), weights), rows, reps)
-    return {r: t0[r] + cfg.num_layers / n * max(tn[r] - t0[r], 0.0) for r in rows}
+    rows_of = {c: DECODE_ROWS + (PREFILL_ROWS if c[1] == "dense" else PREFILL_ROWS[:2]) for c in candidates}
+    timers = {(c, layers): _Timer(_random_model(cfg, layers, getattr(torch, c[0]), c[1]))
+              for c in candidates for layers in (0, n)}
+    best: dict[tuple, float] = {}
+    for rep in range(reps):
+        for (c, layers), timer in timers.items():
+            for r in rows_of[c]:
+                if r > 8 and rep >= max(1, reps // 2):  # big row counts: less relative noise
+                    continue
+                key = (c, layers, r)
+                best[key] = min(best.get(key, float("inf")), timer.once(r))
+    return {f"{c[0]}/{c[1]}": {r: best[(c, 0, r)] + cfg.num_layers / n * max(best[(c, n, r)] - best[(c, 0, r)], 0.0)
+                               for r in sorted(set(rows_of[c]))} for c in candidates}
 
 
 # --------------------------------------------------------------------------- the choice
@@ -172,13 +187,10 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
             return json.load(f)
     started = time.perf_counter()
     candidates = [("bfloat16", w) for w in light_formats] + [("bfloat16", "dense"), ("float32", "dense")]
-    table: dict[str, dict[int, float]] = {}
-    for dtype, weights in candidates:
-        rows = DECODE_ROWS + (PREFILL_ROWS if weights == "dense" else PREFILL_ROWS[:2])
-        table[f"{dtype}/{weights}"] = time_format(cfg, dtype, weights, tuple(sorted(set(rows))))
-        if verbose:
-            print(f"  {dtype}/{weights}: " + " ".join(f"T({r})={1e3 * t:.1f}ms"
-                                                       for r, t in table[f'{dtype}/{weights}'].items()), flush=True)
+    table = time_formats(cfg, candidates)
+    if verbose:
+        for name, t in table.items():
+            print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), flush=True)
     formats = choose(table, candidates)
     result = {"machine": info, "shape": shape, "seconds": round(time.perf_counter() - started, 2),
               "table": {k: {str(r): round(t, 6) for r, t in v.items()} for k, v in table.items()},
