@@ -34,10 +34,11 @@ import torch
 
 DECODE_ROWS = (1, 4, 8)
 PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
+LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well before 64 rows
 CONTEXT = 256  # cached positions the timed forwards attend to
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 3
+CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5) -> dict[
     run of each rather than every run of one candidate.
     """
     n = min(cfg.num_layers, 8)
-    rows_of = {c: DECODE_ROWS + (PREFILL_ROWS if c[1] == "dense" else PREFILL_ROWS[:2]) for c in candidates}
+    rows_of = {c: DECODE_ROWS + (PREFILL_ROWS if c[1] == "dense" else LIGHT_PREFILL_ROWS) for c in candidates}
     timers = {(c, layers): _Timer(_random_model(cfg, layers, getattr(torch, c[0]), c[1]))
               for c in candidates for layers in (0, n)}
     best: dict[tuple, float] = {}
@@ -162,10 +163,12 @@ def choose(table: dict[str, dict[int, float]], candidates: list[tuple[str, str]]
     dense = {d: table[f"{d}/dense"] for d in ("bfloat16", "float32") if f"{d}/dense" in table}
     prefill_dtype = min(dense, key=lambda d: dense[d][max(PREFILL_ROWS)])
     decode = table[f"{dtype}/{weights}"]
-    # from how many rows the prefill path beats the decode format (measured row counts only)
-    wins = [r for r in PREFILL_ROWS if r in dense[prefill_dtype] and r in decode
-            and dense[prefill_dtype][r] < decode[r]]
-    from_rows = min(wins) if wins else max(PREFILL_ROWS)
+    # from how many rows the prefill path beats the decode format: the first row count measured for
+    # both where it wins, else the first one past the decode format's measured range
+    both = [r for r in PREFILL_ROWS if r in dense[prefill_dtype] and r in decode]
+    wins = [r for r in both if dense[prefill_dtype][r] < decode[r]]
+    beyond = [r for r in PREFILL_ROWS if r > max(both, default=0)]
+    from_rows = min(wins) if wins else min(beyond, default=max(PREFILL_ROWS))
     if prefill_dtype == dtype and weights == "dense":
         from_rows = 10**9  # one path for every row count
     return Formats(dtype, weights, prefill_dtype, from_rows)
