@@ -1,10 +1,11 @@
 """Measure the CPU at hand and pick the target's formats per phase (`--weights auto`).
 
 Which format is fastest depends on the machine, not on ours: on a CPU with native bf16 (AVX-512
-bf16, AMX) a bf16 GEMM is quick, while on an AVX2 CPU bf16 is emulated and a float32 prefill ran
-7x faster than a bf16 one; PyTorch's int4/int8 weight-only kernels decode fastest with bf16
-activations and crawl with float32 ones (6x slower, same AVX2 machine). So the engine times the
-candidates here, on the shapes of the model it is about to load, and picks per phase:
+bf16, AMX) a bf16 GEMM is quick, while on an AVX2 CPU bf16 is emulated and a float32 prefill runs
+several times faster than a bf16 one (bench/results/prefill_probe_avx2.json: 5.6x for a 1,024-token
+prompt); PyTorch's int4/int8 weight-only kernels decode fastest with bf16 activations and crawl
+with float32 ones (3-6x slower, same AVX2 machine). So the engine times the candidates here, on
+the shapes of the model it is about to load, and picks per phase:
 
 - decode / verify (1-8 rows): the (activation dtype, weight format) with the cheapest
   T(1) + T(4), a plain step plus the 4-row verify of a k=3 EAGLE-3 round;

@@ -176,8 +176,8 @@ class TargetModel(nn.Module):
         return self.embed_tokens.weight.dtype
 
     # A long input (prefill) may run through a float32 twin of this model: where the CPU emulates
-    # bf16, a float32 GEMM is several times faster than a bf16 one (a 256-row prefill of SmolLM2
-    # took 1.7 s in float32 against 12.7 s in bf16 on an AVX2 EPYC), while the int4 kernels that
+    # bf16, a float32 GEMM is several times faster than a bf16 one (bench/results/prefill_probe_avx2.json:
+    # a 1,024-token prompt in 2.5 s against 13.9 s on an AVX2 EPYC), while the int4 kernels that
     # decode fastest take bf16 activations only at speed. See `whiflash_core.machine`.
     prefill_twin: "TargetModel | None" = None
     formats = None  # the `machine.Formats` it was loaded in, when --weights auto chose them
