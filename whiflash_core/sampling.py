@@ -16,6 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+# Temperatures below this are greedy. Dividing logits by a tinier one (1e-300 fits a float) overflows
+# to inf, and softmax of inf - inf is NaN; at 1e-5 the distribution is already a point mass.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass
 class SamplingParams:
@@ -26,11 +30,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[rows, V] float32 logits -> the distribution the target samples from."""
+    if params.greedy:  # a point mass on the argmax: what sampling tends to as the temperature falls
+        return torch.zeros_like(logits, dtype=torch.float32).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
     logits = logits.float() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k, dim=-1).values[:, -1:]

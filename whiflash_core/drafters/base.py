@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..sampling import MIN_TEMPERATURE
+
 if TYPE_CHECKING:
     from ..config import SpeculationConfig
 
@@ -60,7 +62,7 @@ class DraftSampling:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < MIN_TEMPERATURE  # see whiflash_core.sampling
 
 
 class DrafterState:
