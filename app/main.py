@@ -23,6 +23,7 @@ from whiflash_core.engine import Engine
 
 from .errors import APIError, install_error_handlers, validation_error
 from .events import EventBus
+from .limits import is_too_deep, nesting_too_deep
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .schemas import ChatCompletionRequest, ModelCard, ModelList
@@ -80,7 +81,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         try:
             body = ChatCompletionRequest.model_validate_json(await request.body())
         except ValidationError as exc:
-            raise validation_error(exc) from None
+            raise (nesting_too_deep(None) if is_too_deep(exc) else validation_error(exc)) from None
         return await serving.create(body, request)
 
     api.add_api_route("/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)

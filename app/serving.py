@@ -24,6 +24,7 @@ from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.sampling import SamplingParams
 
 from .errors import APIError, bad_request, context_length_exceeded, internal_error
+from .limits import check_nesting
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
 from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
@@ -79,6 +80,8 @@ class ChatServing:
         tokenization and grammar compilation are CPU work."""
         if req.unknown_fields:
             log.debug("ignoring unknown request fields %s", req.unknown_fields)
+        # before anything walks the request recursively (templates, tool prompts, grammars)
+        check_nesting(req.model_dump(by_alias=True, exclude_none=True))
         if req.n not in (None, 1):
             raise bad_request("Only n=1 is supported.", "n", "unsupported_value")
         if req.logprobs:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from whiflash_core.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
+from .limits import MAX_JSON_DEPTH, json_text_depth
 from .schemas import DeltaFunction, DeltaToolCall
 
 log = logging.getLogger(__name__)
@@ -190,6 +191,9 @@ def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list
     regions = _regions(text)
     for i, (body, closed) in enumerate(regions):
         try:
+            # too deep is not a call we accept (and would exhaust json's recursion: 500)
+            if json_text_depth(body) > MAX_JSON_DEPTH:
+                raise json.JSONDecodeError(f"nested deeper than {MAX_JSON_DEPTH} levels", body, 0)
             obj = json.loads(body)
         except json.JSONDecodeError:
             if not closed and i == len(regions) - 1 and calls:

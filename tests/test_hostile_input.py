@@ -3,6 +3,8 @@ must get its OpenAI-shaped error (or be made harmless), and the same app must th
 normal request."""
 from __future__ import annotations
 
+import json
+
 import torch
 
 from app.settings import Settings
@@ -55,4 +57,74 @@ def test_tiny_temperature_through_the_api():
         r = tc.post("/v1/chat/completions", json={"messages": HI, "temperature": 1e-300})
         assert r.status_code == 200, r.text
         assert engine.last.sampling.greedy
+        assert_still_serving(tc)
+
+
+# --- nesting depth -------------------------------------------------------------------------------
+
+
+def nested(depth: int) -> str:
+    """JSON text of `depth` objects inside one another."""
+    return '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)
+
+
+def schema(depth: int) -> dict:
+    """A JSON schema whose text nests `depth` levels."""
+    s: dict = {"type": "string"}
+    for _ in range((depth - 1) // 2):
+        s = {"type": "object", "properties": {"x": s}}
+    return s
+
+
+def tools_with(parameters: dict) -> list[dict]:
+    return [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+
+
+def replay_call(arguments) -> list[dict]:
+    return [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+
+
+def test_deep_nesting_is_a_400_naming_the_limit():
+    from app.limits import MAX_JSON_DEPTH
+
+    deep = MAX_JSON_DEPTH + 40  # past our limit, within pydantic's parser (200)
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        bodies = {
+            "messages": {"messages": replay_call(nested(3000))},  # arguments as JSON text
+            "tools": {"messages": HI, "tools": tools_with(schema(deep))},
+            "response_format": {"messages": HI, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "r", "schema": schema(deep)}}},
+        }
+        for param, body in bodies.items():
+            error = assert_openai_error(tc.post("/v1/chat/completions", json=body), 400, "nesting_too_deep")
+            assert error["param"] == param and str(MAX_JSON_DEPTH) in error["message"]
+        # arguments as an object, and a body too deep for the JSON parser itself
+        body = {"messages": replay_call(json.loads(nested(deep)))}
+        assert_openai_error(tc.post("/v1/chat/completions", json=body), 400, "nesting_too_deep")
+        for raw in ('{"messages": [{"role": "user", "content": ' + "[" * 3000 + "]" * 3000 + "}]}",
+                    '{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", '
+                    '"function": {"name": "f", "parameters": ' + nested(3000) + "}}]}"):
+            r = tc.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+            assert str(MAX_JSON_DEPTH) in assert_openai_error(r, 400, "nesting_too_deep")["message"]
+        # ordinary depths still pass
+        ok = tc.post("/v1/chat/completions", json={"messages": replay_call(nested(10)), "tools": tools_with(schema(20))})
+        assert ok.status_code == 200, ok.text
+        assert_still_serving(tc)
+
+
+def test_deeply_nested_tool_call_in_model_output_is_text_not_500():
+    reply = '<tool_call>\n{"name": "f", "arguments": ' + nested(3000) + "}\n</tool_call>"
+    engine = FakeEngine(reply, chunk=500)
+    engine.max_context = 2 * len(reply)
+    app, tc = in_process(engine)
+    with tc:
+        r = tc.post("/v1/chat/completions", json={"messages": HI, "tools": tools_with({"type": "object"})})
+        assert r.status_code == 200, r.text
+        message = r.json()["choices"][0]["message"]
+        assert message["content"] == reply and not message.get("tool_calls")
+        engine.reply = "ok"
         assert_still_serving(tc)
