@@ -1,5 +1,5 @@
-"""Bounds on the work one request can cause: JSON nesting depth, and (see `RequestBodyLimits`)
-content type and body size, checked before the body is parsed.
+"""Bounds on the work one request can cause: JSON nesting depth, and (`RequestBodyLimits`) content
+type and body size, checked before the body is parsed.
 """
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from pydantic import ValidationError
+from starlette.datastructures import Headers
 
 from .errors import APIError, bad_request
 
@@ -67,3 +68,64 @@ def is_too_deep(exc: ValidationError) -> bool:
     """Whether pydantic's JSON parser gave up on the body's nesting (its own limit is 200 levels)."""
     first = (exc.errors() or [{}])[0]
     return first.get("type") == "json_invalid" and "recursion limit" in str(first.get("ctx", {}).get("error", ""))
+
+
+# --- the body of a POST to the API ----------------------------------------------------------------
+
+
+def _is_api_post(scope) -> bool:
+    path = scope["path"]
+    return scope["method"] == "POST" and (path.startswith("/v1/") or path == "/chat/completions")
+
+
+class RequestBodyLimits:
+    """ASGI middleware for POSTs to the API: the body must be JSON (else 415) of at most `max_bytes`
+    (else 413). Both are checked before the app parses or tokenizes anything: Content-Length up
+    front, and a chunked body (no Content-Length, or a false one) by counting bytes as they arrive,
+    so at most `max_bytes` are ever held."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not _is_api_post(scope):
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        # OpenAI's clients always send application/json (a charset parameter is fine)
+        content_type = headers.get("content-type", "")
+        if content_type.partition(";")[0].strip().lower() != "application/json":
+            error = APIError(f"Unsupported Content-Type {content_type or '(none)'!r}: request bodies must be "
+                             "application/json.", 415, "invalid_request_error", None, "unsupported_media_type")
+            return await error.response()(scope, receive, send)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._too_large()(scope, receive, send)
+
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client left before sending its body: nothing to answer
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                return await self._too_large()(scope, receive, send)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            # the body once, then the real channel (a streaming response listens there for disconnects)
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    def _too_large(self):
+        return APIError(f"Request body too large: at most {self.max_bytes} bytes are accepted (the server's "
+                        "max_request_bytes).", 413, "invalid_request_error", None, "request_too_large").response()

@@ -23,7 +23,7 @@ from whiflash_core.engine import Engine
 
 from .errors import APIError, install_error_handlers, validation_error
 from .events import EventBus
-from .limits import is_too_deep, nesting_too_deep
+from .limits import RequestBodyLimits, is_too_deep, nesting_too_deep
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .schemas import ChatCompletionRequest, ModelCard, ModelList
@@ -68,6 +68,8 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     app.state.events, app.state.metrics, app.state.serving = events, metrics, serving
     app.state.stats = stats
     install_error_handlers(app)
+    # added before CORS, so CORS wraps it and browsers can read its 413/415 answers
+    app.add_middleware(RequestBodyLimits, max_bytes=settings.max_request_bytes)
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in settings.cors_origins)
@@ -76,8 +78,8 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        # parsed here rather than by FastAPI so that any content type works and every failure
-        # (malformed JSON included) becomes an OpenAI-shaped 400
+        # parsed here rather than by FastAPI so that every failure (malformed JSON included) becomes
+        # an OpenAI-shaped 400; RequestBodyLimits has already checked the content type and size
         try:
             body = ChatCompletionRequest.model_validate_json(await request.body())
         except ValidationError as exc:

@@ -30,6 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved at once (default 16)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
+    p.add_argument("--max-request-bytes", type=int, default=None,
+                   help="largest request body accepted, larger ones get 413 before parsing (default 2 MiB)")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
     p.add_argument("--speculation-method", default=None, choices=METHODS,
                    help="default method (default: the best one the loaded drafters allow)")

@@ -32,6 +32,8 @@ class Settings(BaseSettings):
     max_active: int = Field(16, ge=1, description="generations stepped round-robin at once")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429s")
     request_timeout: float = Field(600.0, gt=0, description="seconds from arrival to the last token")
+    max_request_bytes: int = Field(2 * 1024 * 1024, ge=1,
+                                   description="largest request body accepted (larger: 413, before parsing)")
 
     # request defaults
     default_max_tokens: int | None = Field(None, ge=1, description="None: up to the context length")

@@ -128,3 +128,91 @@ def test_deeply_nested_tool_call_in_model_output_is_text_not_500():
         assert message["content"] == reply and not message.get("tool_calls")
         engine.reply = "ok"
         assert_still_serving(tc)
+
+
+# --- content type --------------------------------------------------------------------------------
+
+
+def test_only_json_bodies_are_accepted():
+    app, tc = in_process(FakeEngine("ok"))
+    body = json.dumps({"messages": HI})
+    with tc:
+        for content_type in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                             "application/jsonx", None):
+            headers = {"content-type": content_type} if content_type else {}
+            for path in ("/v1/chat/completions", "/chat/completions"):
+                r = tc.post(path, content=body, headers=headers)
+                assert_openai_error(r, 415, "unsupported_media_type")
+        for content_type in ("application/json", "application/json; charset=utf-8", "Application/JSON"):
+            r = tc.post("/v1/chat/completions", content=body, headers={"content-type": content_type})
+            assert r.status_code == 200, (content_type, r.text)
+        assert_still_serving(tc)
+
+
+# --- body size -----------------------------------------------------------------------------------
+
+
+def test_request_body_size_limit():
+    app, tc = in_process(FakeEngine("ok"), max_request_bytes=1000)
+    big = json.dumps({"messages": [{"role": "user", "content": "x" * 2000}]}).encode()
+    with tc:
+        # Content-Length says too much: refused before reading
+        error = assert_openai_error(tc.post("/v1/chat/completions", content=big,
+                                            headers={"content-type": "application/json"}), 413, "request_too_large")
+        assert "1000" in error["message"]
+        # chunked (no Content-Length): counted while it arrives
+        chunks = (big[i:i + 100] for i in range(0, len(big), 100))
+        r = tc.post("/v1/chat/completions", content=chunks, headers={"content-type": "application/json"})
+        assert_openai_error(r, 413, "request_too_large")
+        # just under the limit is parsed as usual
+        small = json.dumps({"messages": [{"role": "user", "content": "x" * 900}]})
+        assert len(small) <= 1000
+        assert tc.post("/v1/chat/completions", content=small,
+                       headers={"content-type": "application/json"}).status_code == 200
+        assert_still_serving(tc)
+
+
+def test_default_limit_is_2_mib_and_configurable(monkeypatch):
+    import argparse
+
+    from app.serve_cli import add_parser, settings_from_args
+
+    assert Settings().max_request_bytes == 2 * 1024 * 1024
+    monkeypatch.setenv("WHIFLASH_MAX_REQUEST_BYTES", "5000")
+    assert Settings().max_request_bytes == 5000
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert settings_from_args(parser.parse_args(["serve", "--max-request-bytes", "7000"])).max_request_bytes == 7000
+    monkeypatch.delenv("WHIFLASH_MAX_REQUEST_BYTES")
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        huge = {"messages": [{"role": "user", "content": "x" * (2 * 1024 * 1024)}]}
+        assert_openai_error(tc.post("/v1/chat/completions", json=huge), 413, "request_too_large")
+        fits = {"messages": [{"role": "user", "content": "x" * (1024 * 1024)}]}  # read, then too long a prompt
+        assert_openai_error(tc.post("/v1/chat/completions", json=fits), 400, "context_length_exceeded")
+        assert_still_serving(tc)
+
+
+def test_chunked_body_is_cut_off_at_the_limit_before_the_app_runs():
+    import asyncio
+
+    from app.limits import RequestBodyLimits
+
+    called, sent, received = [], [], []
+
+    async def app(scope, receive, send):
+        called.append(True)
+
+    async def receive():
+        received.append(1)
+        return {"type": "http.request", "body": b"x" * 100, "more_body": True}  # endless
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/chat/completions",
+             "headers": [(b"content-type", b"application/json")]}
+    asyncio.run(RequestBodyLimits(app, max_bytes=1000)(scope, receive, send))
+    assert not called and len(received) == 11  # stopped at the first chunk past the limit
+    assert sent[0]["status"] == 413
+    assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
