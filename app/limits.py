@@ -91,10 +91,11 @@ class RequestBodyLimits:
         if scope["type"] != "http" or not _is_api_post(scope):
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
-        # OpenAI's clients always send application/json (a charset parameter is fine)
-        content_type = headers.get("content-type", "")
-        if content_type.partition(";")[0].strip().lower() != "application/json":
-            error = APIError(f"Unsupported Content-Type {content_type or '(none)'!r}: request bodies must be "
+        # OpenAI's clients always send application/json (a charset parameter is fine); a body with no
+        # Content-Type at all is read as JSON, as vLLM and llama.cpp do (`curl -d` without -H)
+        content_type = headers.get("content-type")
+        if content_type is not None and content_type.partition(";")[0].strip().lower() != "application/json":
+            error = APIError(f"Unsupported Content-Type {content_type!r}: request bodies must be "
                              "application/json.", 415, "invalid_request_error", None, "unsupported_media_type")
             return await error.response()(scope, receive, send)
         length = headers.get("content-length", "")
