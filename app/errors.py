@@ -49,6 +49,12 @@ def context_length_exceeded(prompt_tokens: int, max_context: int) -> APIError:
         400, "invalid_request_error", "messages", "context_length_exceeded")
 
 
+def model_not_found(model: str) -> APIError:
+    # OpenAI's wording and code; vLLM answers an unknown `model` with a 404 too
+    return APIError(f"The model `{model}` does not exist or you do not have access to it.", 404,
+                    "invalid_request_error", "model", "model_not_found")
+
+
 def overloaded(retry_after: int = 1) -> APIError:
     return APIError("The server is at capacity; please retry shortly.", 429, "rate_limit_error", None,
                     "rate_limit_exceeded", headers={"Retry-After": str(retry_after)})

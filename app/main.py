@@ -1,7 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes around one Engine.
 
     POST /v1/chat/completions   (also /chat/completions, for clients whose base URL lacks /v1)
-    GET  /v1/models
+    GET  /v1/models, /v1/models/{id}   the served model id, then its aliases (settings.model_aliases)
     GET  /health                unauthenticated, cheap
     GET  /metrics               Prometheus text, unauthenticated
     GET  /, /chat, /stats       browser pages, and the stats event stream (see app/stats.py)
@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from whiflash_core.engine import Engine
 
-from .errors import APIError, install_error_handlers, validation_error
+from .errors import APIError, install_error_handlers, model_not_found, validation_error
 from .events import EventBus
 from .limits import RequestBodyLimits, is_too_deep, nesting_too_deep
 from .metrics import Metrics
@@ -49,7 +49,9 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     events = EventBus()
     scheduler = Scheduler(engine, metrics, events, max_active=settings.max_active, max_queue=settings.max_queue,
                           request_timeout=settings.request_timeout)
-    serving = ChatServing(engine, scheduler, settings, model_name)
+    # the ids a request's `model` may name (absent also means the served model); others are 404s
+    model_ids = list(dict.fromkeys([model_name, *settings.model_aliases]))
+    serving = ChatServing(engine, scheduler, settings, model_name, model_ids)
     stats = StatsHub(events)
 
     @asynccontextmanager
@@ -88,10 +90,19 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
 
     api.add_api_route("/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
 
+    def card(model_id: str) -> ModelCard:
+        return ModelCard(id=model_id, root=model_name, max_model_len=engine.max_context,
+                         speculation_methods=engine.methods)
+
     @api.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=model_name, max_model_len=engine.max_context,
-                                         speculation_methods=engine.methods)])
+        return ModelList(data=[card(i) for i in model_ids])
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        if model_id not in model_ids:
+            raise model_not_found(model_id)
+        return card(model_id)
 
     @app.get("/health")
     async def health():

@@ -272,6 +272,7 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_created)
     owned_by: str = "whiflash"
+    root: str  # the served model an alias names (vLLM's field)
     max_model_len: int
     speculation_methods: list[str]
 

@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
                         "(whiflash info); int4: the GGUF's Q4_1 blocks through the CPU int4 matmul, LM head "
                         "int8; int8: every linear per-row int8; dense: the dtype's own weights")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
+    p.add_argument("--model-alias", dest="model_aliases", nargs="*", action="extend", default=None,
+                   help="further model ids accepted in requests (repeatable); any other id is a 404")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved at once (default 16)")

@@ -23,7 +23,7 @@ from whiflash_core.chat import encode_chat
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.sampling import SamplingParams
 
-from .errors import APIError, bad_request, context_length_exceeded, internal_error
+from .errors import APIError, bad_request, context_length_exceeded, internal_error, model_not_found
 from .limits import check_nesting
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
@@ -52,9 +52,11 @@ class Prepared:
 
 
 class ChatServing:
-    def __init__(self, engine: Engine, scheduler: Scheduler, settings: Settings, model_name: str):
+    def __init__(self, engine: Engine, scheduler: Scheduler, settings: Settings, model_name: str,
+                 model_ids: list[str] | None = None):
         self.engine, self.scheduler, self.settings = engine, scheduler, settings
         self.model_name = model_name
+        self.model_ids = set(model_ids or [model_name])  # the served name and its aliases
         self._grammars = None
 
     # -- validation and request building --------------------------------------------------------
@@ -173,6 +175,8 @@ class ChatServing:
     # -- entry point ----------------------------------------------------------------------------
 
     async def create(self, req: ChatCompletionRequest, http: Request):
+        if req.model is not None and req.model not in self.model_ids:
+            raise model_not_found(req.model)
         prepared = await asyncio.to_thread(self.prepare, req)
         handle = self.scheduler.submit(prepared.generation, prepared.id, prepared.info)
         if prepared.stream:

@@ -24,6 +24,8 @@ class Settings(BaseSettings):
                             "blocks; int8: per-row int8 linears; dense: the dtype's own weights")
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
     served_model_name: str | None = None
+    model_aliases: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="further names accepted as `model` (others: 404 model_not_found)")
     api_key: str | None = None
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_level: str = "info"
@@ -56,10 +58,10 @@ class Settings(BaseSettings):
         return SpeculationConfig(method=method, alpha=self.speculation_alpha, num_draft_tokens=self.num_draft_tokens,
                                  block_size=self.block_size, prompt_lookup=self.prompt_lookup)
 
-    @field_validator("cors_origins", mode="before")
+    @field_validator("cors_origins", "model_aliases", mode="before")
     @classmethod
     def _split_origins(cls, value):
-        # WHIFLASH_CORS_ORIGINS="http://a,http://b" as well as a list from the CLI
+        # WHIFLASH_CORS_ORIGINS="http://a,http://b" (WHIFLASH_MODEL_ALIASES="a,b") as well as a list from the CLI
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value

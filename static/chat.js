@@ -8,6 +8,7 @@
 const $ = (id) => document.getElementById(id);
 const conversation = [];        // the OpenAI messages sent so far
 let controller = null;          // AbortController of the running request
+let servedModel;                // the id /v1/models lists first (other names are 404s)
 
 // --- setup ------------------------------------------------------------------------------------
 
@@ -25,7 +26,7 @@ async function loadOptions() {
   $("alpha").value = info.alpha;
   syncControls();
   const models = await fetch("/v1/models", { headers: WF.authHeaders() }).then((r) => r.json()).catch(() => null);
-  if (models && models.data && models.data[0]) $("model").textContent = models.data[0].id;
+  if (models && models.data && models.data[0]) $("model").textContent = servedModel = models.data[0].id;
 }
 
 function syncControls() {
@@ -118,6 +119,7 @@ function requestBody() {
   if (method) speculation.method = method;
   if (method === "whiflash") speculation.alpha = Number($("alpha").value);
   return {
+    model: servedModel,
     messages: conversation,
     stream: true,
     stream_options: { include_usage: true },

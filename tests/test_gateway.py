@@ -155,12 +155,15 @@ def test_length_and_unknown_fields_and_content_parts(client):
     messages = [{"role": "developer", "content": "Answer briefly."},
                 {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
                                              {"type": "text", "text": " of France?"}]}]
-    r = client.chat.completions.create(model="any-name", messages=messages, max_completion_tokens=3, temperature=0,
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=3, temperature=0,
                                        stream_options={"include_usage": True}, user="u1", seed=7,
                                        extra_body={"some_future_field": {"x": 1}, "presence_penalty": 0})
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 3
     assert r.model == MODEL
+    with pytest.raises(openai.NotFoundError) as info:  # a name the server does not serve: 404, as in vLLM
+        client.chat.completions.create(model="any-name", messages=messages, max_completion_tokens=3)
+    assert info.value.response.json()["error"]["code"] == "model_not_found"
 
 
 def test_streaming_without_usage(client, plain):

@@ -219,6 +219,7 @@ TOOL_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": 
               '"unit": "celsius"}}\n</tool_call>')
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 HI = [{"role": "user", "content": "hi"}]
+MODEL = FakeEngine.model_name  # the served id: any other `model` is a 404
 
 
 def in_process(engine, **settings):
@@ -231,10 +232,10 @@ def test_multi_token_rounds_stream_tool_calls_correctly(chunk):
     app, tc = in_process(FakeEngine(TOOL_REPLY, chunk=chunk))
     with tc:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
-        r = client.chat.completions.create(model="m", messages=HI, tools=TOOLS)
+        r = client.chat.completions.create(model=MODEL, messages=HI, tools=TOOLS)
         (call,) = r.choices[0].message.tool_calls
         assert r.choices[0].message.content == "Let me check." and r.choices[0].finish_reason == "tool_calls"
-        with client.chat.completions.stream(model="m", messages=HI, tools=TOOLS) as stream:
+        with client.chat.completions.stream(model=MODEL, messages=HI, tools=TOOLS) as stream:
             final = stream.get_final_completion()
         msg = final.choices[0].message
         assert msg.content == "Let me check." and msg.role == "assistant"
@@ -250,9 +251,9 @@ def test_stop_string_across_multi_token_rounds(chunk):
     app, tc = in_process(FakeEngine("Hello there STOP and the rest", chunk=chunk))
     with tc:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
-        r = client.chat.completions.create(model="m", messages=HI, stop=["STOP"])
+        r = client.chat.completions.create(model=MODEL, messages=HI, stop=["STOP"])
         assert r.choices[0].message.content == "Hello there " and r.choices[0].finish_reason == "stop"
-        chunks = list(client.chat.completions.create(model="m", messages=HI, stop=["STOP"], stream=True))
+        chunks = list(client.chat.completions.create(model=MODEL, messages=HI, stop=["STOP"], stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there "
 
 
@@ -261,7 +262,7 @@ def test_api_key_and_cors():
     with tc:
         bad = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=tc, max_retries=0)
         with pytest.raises(openai.AuthenticationError) as info:
-            bad.chat.completions.create(model="m", messages=HI)
+            bad.chat.completions.create(model=MODEL, messages=HI)
         body = info.value.response.json()
         assert info.value.status_code == 401 and body["error"]["code"] == "invalid_api_key"
         assert set(body["error"]) == {"message", "type", "param", "code"}
@@ -269,7 +270,7 @@ def test_api_key_and_cors():
         assert tc.get("/v1/models").status_code == 401
         assert tc.get("/health").status_code == 200  # probes need no key
         good = openai.OpenAI(base_url="http://testserver/v1", api_key="secret", http_client=tc, max_retries=0)
-        assert good.chat.completions.create(model="m", messages=HI).choices[0].message.content == "ok"
+        assert good.chat.completions.create(model=MODEL, messages=HI).choices[0].message.content == "ok"
         pre = tc.options("/v1/chat/completions", headers={"Origin": "http://ui.example",
                                                           "Access-Control-Request-Method": "POST",
                                                           "Access-Control-Request-Headers": "authorization"})
@@ -281,12 +282,12 @@ def test_unavailable_method_and_context_length():
     with tc:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="m", messages=HI, extra_body={"speculation": {"method": "eagle3"}})
+            client.chat.completions.create(model=MODEL, messages=HI, extra_body={"speculation": {"method": "eagle3"}})
         assert info.value.response.json()["error"]["param"] == "speculation.method"
         with pytest.raises(openai.BadRequestError) as info:
-            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x" * 5000}])
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x" * 5000}])
         assert info.value.response.json()["error"]["code"] == "context_length_exceeded"
-        r = client.chat.completions.create(model="m", messages=HI)
+        r = client.chat.completions.create(model=MODEL, messages=HI)
         assert r.model_extra["speculation"]["method"] == "dflash"  # the default: best available
 
 
@@ -296,19 +297,19 @@ def test_full_server_answers_429_then_recovers():
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
         first: dict = {}
         worker = threading.Thread(target=lambda: first.setdefault(
-            "r", client.chat.completions.create(model="m", messages=HI)))
+            "r", client.chat.completions.create(model=MODEL, messages=HI)))
         worker.start()
         deadline = time.monotonic() + 5
         while app.state.scheduler.num_running == 0:
             assert time.monotonic() < deadline
             time.sleep(0.01)
         with pytest.raises(openai.RateLimitError) as info:
-            client.chat.completions.create(model="m", messages=HI)
+            client.chat.completions.create(model=MODEL, messages=HI)
         assert info.value.response.headers["retry-after"] == "1"
         assert info.value.response.json()["error"]["code"] == "rate_limit_exceeded"
         worker.join(10)
         assert first["r"].choices[0].message.content == "x" * 30
-        assert client.chat.completions.create(model="m", messages=HI).choices[0].finish_reason == "stop"
+        assert client.chat.completions.create(model=MODEL, messages=HI).choices[0].finish_reason == "stop"
 
 
 def test_events_are_published_per_request():
@@ -321,7 +322,7 @@ def test_events_are_published_per_request():
             transport = httpx.ASGITransport(app=app)
             async with httpx.AsyncClient(transport=transport, base_url="http://testserver") as http:
                 client = openai.AsyncOpenAI(base_url="http://testserver/v1", api_key="x", http_client=http)
-                await client.chat.completions.create(model="m", messages=HI)
+                await client.chat.completions.create(model=MODEL, messages=HI)
             events = []
             while not events or events[-1]["type"] != "request_finished":
                 events.append(await asyncio.wait_for(sub.get(), 5))
@@ -345,7 +346,7 @@ def test_failures_mid_generation_are_reported_and_isolated():
     with tc:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
         with pytest.raises(openai.InternalServerError) as info:
-            client.chat.completions.create(model="m", messages=HI)
+            client.chat.completions.create(model=MODEL, messages=HI)
         assert info.value.response.headers["x-should-retry"] == "false"
         assert set(info.value.response.json()["error"]) == {"message", "type", "param", "code"}
         # in a stream: the tokens so far, then an error event, then [DONE]
@@ -355,10 +356,10 @@ def test_failures_mid_generation_are_reported_and_isolated():
         assert events[-1] == "[DONE]" and "error" in json.loads(events[-2])
         assert json.loads(events[1])["choices"][0]["delta"]["content"]
         with pytest.raises(openai.APIError):
-            list(client.chat.completions.create(model="m", messages=HI, stream=True))
+            list(client.chat.completions.create(model=MODEL, messages=HI, stream=True))
         # the next request is unaffected
         app.state.serving.engine.fail_at_round = None
-        r = client.chat.completions.create(model="m", messages=HI)
+        r = client.chat.completions.create(model=MODEL, messages=HI)
         assert r.choices[0].message.content == "some text that fails halfway"
 
 
@@ -367,6 +368,6 @@ def test_request_timeout():
     with tc:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
         with pytest.raises(openai.APIStatusError) as info:
-            client.chat.completions.create(model="m", messages=HI)
+            client.chat.completions.create(model=MODEL, messages=HI)
         assert info.value.status_code == 504
         assert info.value.response.json()["error"]["code"] == "request_timeout"

@@ -114,8 +114,10 @@ class HttpRunner:
 
     def body(self, prompt: BenchPrompt, max_tokens: int) -> dict:
         spec = dict(self.speculation, **({"trace": True} if self.trace else {}))
-        body = {"model": self.model or "default", "messages": prompt.messages, "max_tokens": max_tokens,
+        body = {"messages": prompt.messages, "max_tokens": max_tokens,
                 "temperature": self.temperature, "stream": False, "speculation": spec}
+        if self.model:  # absent: the served model (a made-up name would be a 404)
+            body["model"] = self.model
         if self.seed is not None:
             body["seed"] = self.seed
         if prompt.tools:

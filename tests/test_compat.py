@@ -1,0 +1,69 @@
+"""OpenAI compatibility details (issue 17), in-process around the fake engine: /v1/models/{id},
+unknown `model` names."""
+from __future__ import annotations
+
+import argparse
+import openai
+import pytest
+
+from test_gateway_units import HI, MODEL, FakeEngine, in_process
+from test_hostile_input import assert_openai_error
+
+
+def client_for(tc) -> openai.OpenAI:
+    return openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+
+
+# --- model ids: /v1/models/{id}, aliases, unknown names ------------------------------------------
+
+
+def test_model_aliases_from_environment_and_flags(monkeypatch):
+    from app.serve_cli import add_parser, settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    monkeypatch.setenv("WHIFLASH_MODEL_ALIASES", "gpt-4o, gpt-4o-mini")
+    assert settings_from_args(parser.parse_args(["serve"])).model_aliases == ["gpt-4o", "gpt-4o-mini"]
+    s = settings_from_args(parser.parse_args(["serve", "--model-alias", "a", "b", "--model-alias", "c"]))
+    assert s.model_aliases == ["a", "b", "c"]  # flags replace the environment's list
+
+
+def test_retrieve_model_by_id_and_alias():
+    app, tc = in_process(FakeEngine("ok"), model_aliases=["gpt-4o", "org/alias"])
+    with tc:
+        client = client_for(tc)
+        card = client.models.retrieve(MODEL)
+        assert card.id == MODEL and card.object == "model" and card.owned_by == "whiflash"
+        assert card.model_extra["max_model_len"] == 4096
+        for alias in ("gpt-4o", "org/alias"):  # ids with a slash too (HF-style names)
+            assert client.models.retrieve(alias).id == alias
+            assert client.models.retrieve(alias).model_extra["root"] == MODEL
+        assert [m.id for m in client.models.list()] == [MODEL, "gpt-4o", "org/alias"]  # served id first
+        with pytest.raises(openai.NotFoundError) as info:
+            client.models.retrieve("gpt-5")
+        error = assert_openai_error(info.value.response, 404, "model_not_found")
+        assert "gpt-5" in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_unknown_model_is_404_and_served_name_aliases_and_absent_are_served():
+    app, tc = in_process(FakeEngine("ok"), model_aliases=["gpt-4o-mini"])
+    with tc:
+        client = client_for(tc)
+        for stream in (False, True):
+            with pytest.raises(openai.NotFoundError) as info:
+                client.chat.completions.create(model="any-name", messages=HI, stream=stream)
+            error = assert_openai_error(info.value.response, 404, "model_not_found")
+            assert error["param"] == "model" and "any-name" in error["message"]
+        for name in (MODEL, "gpt-4o-mini"):
+            r = client.chat.completions.create(model=name, messages=HI)
+            assert r.choices[0].message.content == "ok" and r.model == MODEL
+        # no `model` at all (curl, the browser pages) means the served model, as in vLLM
+        r = tc.post("/v1/chat/completions", json={"messages": HI})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_chat_page_sends_the_served_model_id():
+    from pathlib import Path
+
+    js = (Path(__file__).resolve().parent.parent / "static" / "chat.js").read_text()
+    assert "models.data[0].id" in js and "model: servedModel" in js
