@@ -2,7 +2,7 @@
 
 Requests are lenient like OpenAI's: unknown top-level fields are ignored (logged at debug level),
 `max_tokens` and `max_completion_tokens` are both accepted, `stream_options` without `stream` is
-ignored. Our own extension, `speculation`, is strict: a typo there is a 400 naming the field.
+ignored. Known scalar fields are strictly typed (`temperature: "0.5"` is a 400, not 0.5). Our own extension, `speculation`, is strict: a typo there is a 400 naming the field.
 
 Responses serialize like vLLM's: optional delta fields that are unset are omitted (a tool call's
 `id`, `type` and `name` appear only in its first delta, since clients concatenate repeats).
@@ -110,7 +110,7 @@ class ResponseFormat(_Lenient):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool | None = None
+    include_usage: bool | None = Field(None, strict=True)
 
 
 def _speculation_params() -> type[BaseModel]:
@@ -131,21 +131,23 @@ SpeculationParams = _speculation_params()
 class ChatCompletionRequest(_Lenient):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=0)  # vLLM/SGLang extension
-    n: int | None = Field(None, ge=1)
+    # scalars are strict, as OpenAI's are: "0.5", "yes", 5.0 for an int are 400s naming the field
+    # (an int for a float, e.g. temperature 1, is fine)
+    max_tokens: int | None = Field(None, ge=1, strict=True)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
+    top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
+    top_k: int | None = Field(None, ge=0, strict=True)  # vLLM/SGLang extension
+    n: int | None = Field(None, ge=1, strict=True)
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stream: bool | None = False
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64, strict=True)
+    stream: bool | None = Field(False, strict=True)
     stream_options: StreamOptions | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
     response_format: ResponseFormat | None = None
-    logprobs: bool | None = None
+    logprobs: bool | None = Field(None, strict=True)
     user: str | None = None
     speculation: SpeculationParams | None = None
 

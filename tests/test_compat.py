@@ -1,5 +1,5 @@
 """OpenAI compatibility details (issue 17), in-process around the fake engine: /v1/models/{id},
-unknown `model` names."""
+unknown `model` names, strict field types."""
 from __future__ import annotations
 
 import argparse
@@ -67,3 +67,29 @@ def test_chat_page_sends_the_served_model_id():
 
     js = (Path(__file__).resolve().parent.parent / "static" / "chat.js").read_text()
     assert "models.data[0].id" in js and "model: servedModel" in js
+
+
+# --- strict types -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [("temperature", "0.5"), ("stream", "yes"), ("max_tokens", "5"),
+                                         ("top_p", "1"), ("max_completion_tokens", 5.0), ("stream", 1),
+                                         ("seed", "7"), ("n", "1"), ("top_k", True), ("logprobs", "false"),
+                                         ("parallel_tool_calls", "true")])
+def test_loose_types_are_400s_naming_the_field(field, value):
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        r = tc.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, field: value})
+        error = assert_openai_error(r, 400, "invalid_value")
+        assert error["param"] == field and field in error["message"]
+
+
+def test_proper_json_types_stay_valid():
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        body = {"model": MODEL, "messages": HI, "temperature": 1, "top_p": 1, "max_tokens": 5, "stream": False,
+                "seed": 3, "n": 1, "top_k": 0, "presence_penalty": 0, "parallel_tool_calls": False}
+        r = tc.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert client_for(tc).chat.completions.create(model=MODEL, messages=HI, temperature=0.5, top_p=0.9,
+                                                      max_tokens=5).choices[0].message.content == "ok"
