@@ -183,10 +183,22 @@ class _OmitNone(BaseModel):
         return data
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # 0 until the prefix cache lands
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0  # draft tokens the target accepted (speculation)
+    rejected_prediction_tokens: int = 0  # draft tokens it rejected
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
+    completion_tokens_details: CompletionTokensDetails = Field(default_factory=CompletionTokensDetails)
 
 
 class ResponseFunction(BaseModel):

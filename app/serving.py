@@ -28,7 +28,7 @@ from .limits import check_nesting
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
 from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
-                      DeltaMessage, NamedToolChoice, ResponseFunction, ResponseMessage, ResponseToolCall, Usage)
+                      CompletionTokensDetails, DeltaMessage, NamedToolChoice, ResponseFunction, ResponseMessage, ResponseToolCall, Usage)
 from .settings import Settings
 from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id, parse_tool_calls
 
@@ -234,8 +234,13 @@ class ChatServing:
     @staticmethod
     def _usage(finished: Finished, acc: TextAccumulator) -> Usage:
         completion = acc.num_tokens if acc.stopped else finished.completion_tokens
+        drafters = (finished.stats.get("drafters") or {}).values()
+        drafted = sum(d.get("draft_tokens", 0) for d in drafters)
+        accepted = sum(d.get("accepted_tokens", 0) for d in drafters)
         return Usage(prompt_tokens=finished.prompt_tokens, completion_tokens=completion,
-                     total_tokens=finished.prompt_tokens + completion)
+                     total_tokens=finished.prompt_tokens + completion,
+                     completion_tokens_details=CompletionTokensDetails(
+                         accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted))
 
     @staticmethod
     def _finish_reason(finished: Finished, acc: TextAccumulator, has_calls: bool, parse_tools: bool) -> str:

@@ -1,8 +1,10 @@
 """OpenAI compatibility details (issue 17), in-process around the fake engine: /v1/models/{id},
-unknown `model` names, strict field types."""
+unknown `model` names, strict field types, and the usage detail objects."""
 from __future__ import annotations
 
 import argparse
+import json
+
 import openai
 import pytest
 
@@ -93,3 +95,33 @@ def test_proper_json_types_stay_valid():
         assert r.status_code == 200, r.text
         assert client_for(tc).chat.completions.create(model=MODEL, messages=HI, temperature=0.5, top_p=0.9,
                                                       max_tokens=5).choices[0].message.content == "ok"
+
+
+# --- usage details ----------------------------------------------------------------------------------
+
+
+def expected_details(speculation: dict) -> dict:
+    drafters = speculation["drafters"].values()
+    accepted = sum(d["accepted_tokens"] for d in drafters)
+    return {"reasoning_tokens": 0, "accepted_prediction_tokens": accepted,
+            "rejected_prediction_tokens": sum(d["draft_tokens"] for d in drafters) - accepted}
+
+
+def test_usage_details_in_responses_and_the_usage_chunk():
+    app, tc = in_process(FakeEngine("hello world, a longer reply", chunk=4))
+    with tc:
+        r = client_for(tc).chat.completions.create(model=MODEL, messages=HI)
+        usage = r.usage.model_dump(exclude_none=True)  # the client model adds its own None fields
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 0
+        details = usage["completion_tokens_details"]
+        assert details == expected_details(r.model_extra["speculation"])
+        assert details["accepted_prediction_tokens"] > 0 and details["rejected_prediction_tokens"] > 0
+
+        body = {"model": MODEL, "messages": HI, "stream": True, "stream_options": {"include_usage": True}}
+        with tc.stream("POST", "/v1/chat/completions", json=body) as resp:
+            events = [json.loads(line[6:]) for line in resp.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        last = events[-1]
+        assert last["choices"] == [] and last["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert last["usage"]["completion_tokens_details"] == expected_details(last["speculation"])
+        assert last["usage"]["completion_tokens_details"] == details  # the same replay, the same counts
