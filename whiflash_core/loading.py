@@ -102,6 +102,7 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
         if dt == torch.bfloat16:
             light = ("int4", "int8") if gguf else ("int8",)
             formats = formats_from(measure(TargetConfig.from_hf(hf_model.config), light))
+            log.info("--weights auto chose %s (whiflash info shows the timings)", formats)
         else:
             weights = "dense"
     prefill_dt, prefill_from = dt, DENSE_FROM_ROWS
