@@ -22,6 +22,18 @@ REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = float(os.environ.get("WHIFLASH_TEST_STARTUP_TIMEOUT", "300"))
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch on one thread for the test, restored after (small training runs, reproducible and
+    out of the way of a server the same run started)."""
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -21,12 +21,8 @@ from whiflash_core.training.loop import load_checkpoint, train
 from whiflash_core.training.ship import ship
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# training tests run on one torch thread (conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -28,12 +28,8 @@ from whiflash_core.training.distill import Sample, write_samples
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+# training tests run on one torch thread (conftest.one_torch_thread)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def greedy(target, prompt: list[int], n: int) -> list[int]:
