@@ -22,19 +22,15 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers import AutoConfig
 
-    from .embedded import EMBEDDED_GGUF, embedded_model_dir
-    from .machine import measure
+    from .loading import model_location
+    from .machine import light_formats, measure
     from .target import TargetConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    path, gguf = args.model, None
-    if path is None:
-        path, gguf = embedded_model_dir(), EMBEDDED_GGUF
-    elif path.endswith(".gguf"):
-        path, gguf = path.rsplit("/", 1) if "/" in path else (".", path)
+    path, gguf = model_location(args.model)
     cfg = TargetConfig.from_hf(AutoConfig.from_pretrained(path, **({"gguf_file": gguf} if gguf else {})))
-    result = measure(cfg, ("int4", "int8") if gguf else ("int8",), use_cache=not args.remeasure, verbose=True)
+    result = measure(cfg, light_formats(gguf), use_cache=not args.remeasure, verbose=True)
     if args.json:
         print(json.dumps(result, indent=1))
         return 0

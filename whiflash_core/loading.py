@@ -19,7 +19,7 @@ from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter,
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
 from .engine import Engine
-from .machine import Formats, formats_from, measure
+from .machine import Formats, formats_from, light_formats, measure
 from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8
 from .router import RouterCalibration
 from .target import STACKED, Rotary, TargetConfig, TargetModel
@@ -37,14 +37,22 @@ DRAFTER_KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
 # --- the target ----------------------------------------------------------------------------------
 
 
+def model_location(path: str | None) -> tuple[str, str | None]:
+    """(directory, GGUF file name or None) of an HF directory, a .gguf path or None (the embedded
+    default)."""
+    if path is None:
+        return embedded_model_dir(), EMBEDDED_GGUF
+    if path.endswith(".gguf"):
+        return os.path.dirname(path) or ".", os.path.basename(path)
+    return path, None
+
+
 def load_hf_model(path: str | None, gguf_file: str | None = None):
     """The Hugging Face model and tokenizer (fp32). `path=None` means the embedded default."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if path is None:
-        path, gguf_file = embedded_model_dir(), EMBEDDED_GGUF
-    elif path.endswith(".gguf"):
-        path, gguf_file = os.path.dirname(path) or ".", os.path.basename(path)
+    if gguf_file is None:
+        path, gguf_file = model_location(path)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
@@ -96,12 +104,11 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
     """
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
     hf_model, tok = load_hf_model(path)
-    gguf = path if path and path.endswith(".gguf") else (
-        os.path.join(embedded_model_dir(), EMBEDDED_GGUF) if path is None else None)
+    directory, gguf_file = model_location(path)
+    gguf = os.path.join(directory, gguf_file) if gguf_file else None
     if weights == "auto" and formats is None:
         if dt == torch.bfloat16:
-            light = ("int4", "int8") if gguf else ("int8",)
-            formats = formats_from(measure(TargetConfig.from_hf(hf_model.config), light))
+            formats = formats_from(measure(TargetConfig.from_hf(hf_model.config), light_formats(gguf)))
             log.info("--weights auto chose %s (whiflash info shows the timings)", formats)
         else:
             weights = "dense"

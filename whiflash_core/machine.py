@@ -207,5 +207,10 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
     return result
 
 
+def light_formats(gguf: str | None) -> tuple[str, ...]:
+    """The weight formats a model can load besides dense: int4 needs a GGUF's Q4_1 blocks."""
+    return ("int4", "int8") if gguf else ("int8",)
+
+
 def formats_from(result: dict) -> Formats:
     return Formats(**result["formats"])
