@@ -209,7 +209,7 @@ class Scheduler:
             gen = self.engine.start(handle.request)
             self.events.publish("request_started", id=handle.id, prompt_tokens=len(handle.request.prompt_ids),
                                 max_tokens=handle.request.max_new_tokens, method=gen.spec.method,
-                                alpha=gen.spec.alpha, **handle.info)
+                                alpha=gen.spec.alpha, policy=gen.spec.policy, **handle.info)
             if self.metrics:
                 self.metrics.started(len(handle.request.prompt_ids), now - handle.arrival)
             gen.prefill()

@@ -118,8 +118,6 @@ def _speculation_params() -> type[BaseModel]:
     the server's default), with the config's bounds and help; strict, so a typo is a 400."""
     hints = get_type_hints(SpeculationConfig)
     spec = {name: (hints[name] | None, Field(**{**speculation_field(name), "default": None})) for name in api_fields()}
-    # accepted for compatibility and validated; entropy routing is the only policy
-    spec["policy"] = (Literal["entropy"] | None, Field(None, description="routing policy (entropy is the only one)"))
     return create_model("SpeculationParams", __config__=ConfigDict(extra="forbid", strict=True),
                         __doc__="Per-request speculative decoding knobs (`extra_body={\"speculation\": {...}}`).",
                         **spec)

@@ -143,7 +143,7 @@ class ChatServing:
             raise bad_request(f"Speculation method {method!r} is not available: its drafters are not loaded. "
                               f"Available: {self.engine.methods}.", "speculation.method", "method_unavailable")
 
-        given = p.model_dump(exclude_none=True, exclude={"method", "policy"}) if p is not None else {}
+        given = p.model_dump(exclude_none=True, exclude={"method"}) if p is not None else {}
         return replace(self.settings.speculation(method), **given)
 
     def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):

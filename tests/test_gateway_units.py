@@ -291,6 +291,23 @@ def test_unavailable_method_and_context_length():
         assert r.model_extra["speculation"]["method"] == "dflash"  # the default: best available
 
 
+def test_speculation_policy_is_validated_and_reaches_the_engine():
+    engine = FakeEngine("ok")
+    started = []
+    engine.start = lambda request: started.append(request.speculation) or ReplayGeneration(engine, request)
+    app, tc = in_process(engine)
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        for bad in ("learned", "", 1):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model=MODEL, messages=HI, extra_body={"speculation": {"policy": bad}})
+            assert info.value.response.json()["error"]["param"] == "speculation.policy", bad
+        for policy in ("entropy", "cost"):
+            client.chat.completions.create(model=MODEL, messages=HI, extra_body={"speculation": {"policy": policy}})
+        client.chat.completions.create(model=MODEL, messages=HI)
+    assert [s.policy for s in started] == ["entropy", "cost", "cost"]   # the default: cost
+
+
 def test_full_server_answers_429_then_recovers():
     app, tc = in_process(FakeEngine("x" * 30, chunk=1, delay=0.03), max_active=1, max_queue=0)
     with tc:

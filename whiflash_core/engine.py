@@ -26,6 +26,7 @@ from typing import Protocol
 import torch
 
 from .config import SpeculationConfig
+from .costs import CostModel
 from .drafters.base import Context, Draft, Drafter, DraftSampling
 from .drafters.ngram import NgramDrafter
 from .rounds import Round, RoundTimes, Tally
@@ -61,15 +62,18 @@ class GenerationRequest:
 
 
 class Engine:
-    """A target, its drafters and the router calibration, shared by all requests."""
+    """A target, its drafters, the router calibration and the round-cost model, shared by all requests."""
 
     def __init__(self, target: TargetModel, tokenizer=None, drafters: dict[str, Drafter] | None = None,
-                 calibration: RouterCalibration | None = None, model_name: str = "target"):
+                 calibration: RouterCalibration | None = None, model_name: str = "target",
+                 costs: CostModel | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafters = dict(drafters or {})
         self.drafters.setdefault(LOOKUP, NgramDrafter())  # weightless: always available
         self.calibration = calibration or RouterCalibration()
+        # what rounds cost on this machine: learned from every request's rounds (costs.py)
+        self.costs = costs or CostModel()
         self.model_name = model_name
         taps = sorted({t for d in self.drafters.values() for t in d.tap_layers})
         self.tap_layers = tuple(taps)
@@ -111,7 +115,7 @@ class Generation:
         threshold = spec.entropy_threshold
         if threshold is None:
             threshold = engine.calibration.threshold(spec.alpha)
-        self.router = Router(engine.drafters, spec, threshold)
+        self.router = Router(engine.drafters, spec, threshold, engine.costs)
 
         p = self.prompt_len = len(request.prompt_ids)
         # Buffers start small and grow by doubling: a request without max_tokens may run to the
@@ -168,8 +172,9 @@ class Generation:
         self._ensure_capacity(n + self.router.longest_draft + 2)
         clock = _Clock()
         # route: the router picks this round's drafter and draft length k (never past max_tokens or the context)
-        route = self.router.route(self.states, self._context(), self.last_logits)
-        k = min(route.draft_len, self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
+        limit = min(self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
+        route = self.router.route(self.states, self._context(), self.last_logits, limit)
+        k = min(route.draft_len, limit)
         clock.lap("router")
         # propose: draft d1..dk (with their proposal distributions q [k, V] when sampling)
         draft = self._propose(route.drafter, k, clock)
@@ -195,6 +200,7 @@ class Generation:
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
                   times=clock.times)
         r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index)
+        self.router.observe(route, r)
         self.tally.add(r)
         return r
 

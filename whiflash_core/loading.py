@@ -18,6 +18,7 @@ import torch
 from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
+from . import costs
 from .engine import Engine
 from .machine import Formats, formats_from, light_formats, measure
 from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8
@@ -162,9 +163,10 @@ def load_drafters(path: str, target: TargetModel) -> dict:
 
 def load_engine(model: str | None = None, drafters: str | None = None, dtype: str = "bfloat16",
                 eagle3: str | None = None, dflash: str | None = None, threads: int | None = None,
-                weights: str = "dense") -> Engine:
+                weights: str = "dense", measure_costs: bool = True) -> Engine:
     """The engine for `model` (None = embedded SmolLM2) with drafters from `drafters` (a directory
-    in the layout above), or explicit `eagle3` / `dflash` checkpoint directories."""
+    in the layout above), or explicit `eagle3` / `dflash` checkpoint directories; with
+    `measure_costs`, the router's round-cost model timed on this machine (costs.measure)."""
     if threads:
         torch.set_num_threads(threads)
     target, tokenizer = load_target(model, DTYPES[dtype], weights)
@@ -187,4 +189,7 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
     if directory and os.path.exists(os.path.join(directory, "router.json")):
         calibration = RouterCalibration.load(os.path.join(directory, "router.json"))
     name = EMBEDDED_NAME if model is None else os.path.basename(os.path.normpath(model))
-    return Engine(target, tokenizer, found, calibration, model_name=name)
+    engine = Engine(target, tokenizer, found, calibration, model_name=name)
+    if measure_costs:
+        engine.costs = costs.measure(engine)
+    return engine
