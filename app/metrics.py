@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from whiflash_core.rounds import Round
@@ -27,6 +27,7 @@ class Metrics:
 
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)   # process_resident_memory_bytes, cpu seconds, open fds (Linux)
         self.model_name = model_name
         m = ["model_name"]
         self.requests = Counter(f"{P}request_success", "Finished requests by finish reason (abort: client left)",
