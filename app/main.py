@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from whiflash_core.engine import Engine
+from whiflash_core.prefix_cache import PrefixCache
 
 from .errors import APIError, install_error_handlers, model_not_found, validation_error
 from .events import EventBus
@@ -45,7 +46,9 @@ def _auth_dependency(api_key: str | None):
 def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     model_name = settings.served_model_name or engine.model_name
+    engine.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20))
     metrics = Metrics(model_name)
+    metrics.bind_prefix_cache(lambda: engine.prefix_cache.stats.stored_bytes)
     events = EventBus()
     scheduler = Scheduler(engine, metrics, events, max_active=settings.max_active, max_queue=settings.max_queue,
                           request_timeout=settings.request_timeout)

@@ -46,6 +46,7 @@ class Finished:
     timing: dict                # Generation.timing()
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0      # prompt tokens reused from the prefix cache
 
 
 @dataclass
@@ -213,6 +214,8 @@ class Scheduler:
             if self.metrics:
                 self.metrics.started(len(handle.request.prompt_ids), now - handle.arrival)
             gen.prefill()
+            if self.metrics:
+                self.metrics.prefix_cache_lookup(gen.prompt_len, gen.cached_tokens)
         except ValueError as exc:  # the engine's own request checks (context length, method)
             self._fail(handle, bad_request(str(exc)), "error")
             return
@@ -275,7 +278,8 @@ class Scheduler:
         if slot in self._active:
             self._active.remove(slot)
         stats, timing = gen.stats(), gen.timing()
-        handle._push(Finished(gen.finish_reason or "stop", stats, timing, gen.prompt_len, len(gen.output)))
+        handle._push(Finished(gen.finish_reason or "stop", stats, timing, gen.prompt_len, len(gen.output),
+                              gen.cached_tokens))
         reason = handle.cancel_reason if gen.finish_reason == "cancelled" and handle.cancel_reason else \
             gen.finish_reason or "stop"
         self._record_finish(handle, reason, time.perf_counter() - handle.arrival)

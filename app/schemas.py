@@ -182,7 +182,7 @@ class _OmitNone(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # 0 until the prefix cache lands
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class CompletionTokensDetails(BaseModel):

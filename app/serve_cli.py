@@ -34,6 +34,9 @@ def add_parser(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body accepted, larger ones get 413 before parsing (default 2 MiB)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None,
+                   help="prefix cache memory in MiB, 0 = off (default 512): later turns of a conversation "
+                        "reuse the K/V of the earlier ones")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
     p.add_argument("--speculation-method", default=None, choices=METHODS,
                    help="default method (default: the best one the loaded drafters allow)")

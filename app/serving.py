@@ -7,6 +7,7 @@ those failures are real HTTP errors. After that, a failure is an in-stream error
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import time
@@ -28,7 +29,8 @@ from .limits import check_nesting
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
 from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
-                      CompletionTokensDetails, DeltaMessage, NamedToolChoice, ResponseFunction, ResponseMessage, ResponseToolCall, Usage)
+                      CompletionTokensDetails, DeltaMessage, NamedToolChoice, PromptTokensDetails, ResponseFunction,
+                      ResponseMessage, ResponseToolCall, Usage)
 from .settings import Settings
 from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id, parse_tool_calls
 
@@ -178,6 +180,7 @@ class ChatServing:
         if req.model is not None and req.model not in self.model_ids:
             raise model_not_found(req.model)
         prepared = await asyncio.to_thread(self.prepare, req)
+        prepared.generation.cache_namespace = self._tenant(http)
         handle = self.scheduler.submit(prepared.generation, prepared.id, prepared.info)
         if prepared.stream:
             return EventSourceResponse(self._stream(prepared, handle), sep="\n", ping=SSE_PING_SECONDS)
@@ -185,6 +188,13 @@ class ChatServing:
             return await self._complete(prepared, handle, http)
         finally:
             handle.cancel("abort")  # no-op when finished; stops the engine if we leave early
+
+    def _tenant(self, http: Request) -> str:
+        """The prefix-cache namespace of a request: its API key (hashed), when keys are required, so
+        one tenant cannot probe another's prompts through cache timing."""
+        if self.settings.api_key is None:
+            return ""
+        return hashlib.sha256(http.headers.get("authorization", "").encode()).hexdigest()
 
     # -- non-streaming ----------------------------------------------------------------------------
 
@@ -239,6 +249,7 @@ class ChatServing:
         accepted = sum(d.get("accepted_tokens", 0) for d in drafters)
         return Usage(prompt_tokens=finished.prompt_tokens, completion_tokens=completion,
                      total_tokens=finished.prompt_tokens + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=finished.cached_tokens),
                      completion_tokens_details=CompletionTokensDetails(
                          accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted))
 

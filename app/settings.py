@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     max_active: int = Field(16, ge=1, description="generations stepped round-robin at once")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429s")
     request_timeout: float = Field(600.0, gt=0, description="seconds from arrival to the last token")
+    prefix_cache_mb: float = Field(
+        512, ge=0, description="memory for the K/V of earlier requests' prefixes, reused by later requests "
+                               "that start the same way (agent loops); 0 turns the prefix cache off")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1,
                                    description="largest request body accepted (larger: 413, before parsing)")
 

@@ -29,6 +29,7 @@ from .config import SpeculationConfig
 from .costs import CostModel
 from .drafters.base import Context, Draft, Drafter, DraftSampling
 from .drafters.ngram import NgramDrafter
+from .prefix_cache import PrefixCache
 from .rounds import Round, RoundTimes, Tally
 from .router import LOOKUP, METHODS, Method, Router, RouterCalibration, available_methods
 from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
@@ -59,6 +60,7 @@ class GenerationRequest:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     stop_token_ids: list[int] | None = None   # default: the model's EOS ids
     constraint: Constraint | None = None
+    cache_namespace: str = ""   # prefix-cache tenant: a request only reuses its own namespace's prefixes
 
 
 class Engine:
@@ -66,7 +68,7 @@ class Engine:
 
     def __init__(self, target: TargetModel, tokenizer=None, drafters: dict[str, Drafter] | None = None,
                  calibration: RouterCalibration | None = None, model_name: str = "target",
-                 costs: CostModel | None = None):
+                 costs: CostModel | None = None, prefix_cache: PrefixCache | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafters = dict(drafters or {})
@@ -78,6 +80,7 @@ class Engine:
         taps = sorted({t for d in self.drafters.values() for t in d.tap_layers})
         self.tap_layers = tuple(taps)
         self.eos_ids = list(target.cfg.eos_token_ids)
+        self.prefix_cache = prefix_cache or PrefixCache(0)   # budget 0: off
 
     @property
     def methods(self) -> list[str]:
@@ -140,6 +143,7 @@ class Generation:
         self.finish_reason: str | None = None
         self.started = time.perf_counter()
         self.prefill_s = 0.0
+        self.cached_tokens = 0           # prompt tokens whose K/V came from the prefix cache
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
 
@@ -150,19 +154,53 @@ class Generation:
     # -- the loop -------------------------------------------------------------------------------
 
     def prefill(self) -> None:
+        """Run the prompt through the target (after the longest prefix the prefix cache holds) and
+        emit the first token."""
         t0 = time.perf_counter()
         p = self.prompt_len
         if p + 1 >= self.engine.max_context:
             raise ValueError(f"prompt of {p} tokens exceeds the context length {self.engine.max_context}")
-        out = self.engine.target(self.ids[:p], self.cache, self.tap_layers, logits_from=p - 1)
+        m = self.cached_tokens = self._reuse_cached_prefix()
+        # the last prompt position is always computed: its logits choose the first token
+        out = self.engine.target(self.ids[m:p], self.cache, self.tap_layers, logits_from=p - m - 1)
         if self.tap_layers:
-            self.taps[:p] = out.taps
+            self.taps[m:p] = out.taps
+        self._store_prefix()
         masks = self.request.constraint.masks([]) if self.request.constraint else None
         _, tok = self._verify(out.logits, None, masks)
         self.last_logits = out.logits[-1]
         self.ids[p] = tok
         self.prefill_s += time.perf_counter() - t0
         self._emit([tok], ["target"], round_index=0)
+
+    def _reuse_cached_prefix(self) -> int:
+        """Copy the longest cached prefix of the prompt (at most p - 1 tokens) into this request's
+        cache and taps; returns its length (0: nothing cached)."""
+        cache = self.engine.prefix_cache
+        if not cache.enabled:
+            return 0
+        p, ns = self.prompt_len, self.request.cache_namespace
+        # a request that taps no layers can also use an entry stored with taps (it ignores them);
+        # one that taps needs an entry with its taps
+        options = (self.tap_layers,) if self.tap_layers else tuple(dict.fromkeys(((), self.engine.tap_layers)))
+        hit = cache.lookup(ns, options, self.ids[:p], limit=p - 1)
+        if hit is None:
+            return 0
+        m, entry = hit.length, hit.entry
+        self.cache.k[:, :, :m] = entry.k[:, :, :m]
+        self.cache.v[:, :, :m] = entry.v[:, :, :m]
+        self.cache.length = m
+        if self.tap_layers:
+            self.taps[:m] = entry.taps[:m]
+        return m
+
+    def _store_prefix(self) -> None:
+        """Offer the verified sequence (positions 0..cache.length-1) to the prefix cache."""
+        cache = self.engine.prefix_cache
+        if cache.enabled:
+            n = self.cache.length
+            cache.store(self.request.cache_namespace, self.tap_layers, self.ids[:n], self.cache.k, self.cache.v,
+                        self.taps[:n] if self.tap_layers else None)
 
     def step(self) -> Round | None:
         """One speculation round (None once finished)."""
@@ -285,6 +323,7 @@ class Generation:
         if not self.finished:
             self.finished, self.finish_reason = True, reason
             self.finished_time = time.perf_counter()
+            self._store_prefix()   # the next turn of this conversation starts with all of it
 
     def cancel(self) -> None:
         self._finish("cancelled")
