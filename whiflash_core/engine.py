@@ -119,6 +119,7 @@ class Generation:
         if threshold is None:
             threshold = engine.calibration.threshold(spec.alpha)
         self.router = Router(engine.drafters, spec, threshold, engine.costs)
+        self.router.prompt_len = len(request.prompt_ids)
 
         p = self.prompt_len = len(request.prompt_ids)
         # Buffers start small and grow by doubling: a request without max_tokens may run to the

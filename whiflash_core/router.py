@@ -173,6 +173,10 @@ class Router:
         self.costs = costs if costs is not None else CostModel()
         self.acceptance = AcceptanceModel()
         self.previous: str | None = None
+        # positions every drafter catches up on once per request, whichever round first picks it
+        # (the prompt): charged to no round, or a long prompt would keep the drafters from ever
+        # being picked (an idle drafter's backlog only grows). Set by the Generation.
+        self.prompt_len = 0
 
     @property
     def longest_draft(self) -> int:
@@ -229,7 +233,7 @@ class Router:
                 continue
             where[name] = situation(name, top1, match)
             gains = expected_tokens_by_k(self.acceptance.rates(name, where[name], k_max), k_max)
-            backlog = max(ctx.n - states[name].n_seen, 0)
+            backlog = max(ctx.n - max(states[name].n_seen, self.prompt_len), 0)
             candidates += [Candidate(name, k, gains[k], self.costs.round_time(name, k, backlog, verify))
                            for k in range(1, k_max + 1)]
         c = best(candidates, self.alpha)
