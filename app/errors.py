@@ -41,7 +41,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(message, 400, "invalid_request_error", param, code)
 
 
-def context_length_exceeded(prompt_tokens: int, max_context: int) -> APIError:
+def context_length_exceeded(prompt_tokens: int | str, max_context: int) -> APIError:
     # The wording matters: LiteLLM, crewAI and OpenHands detect overflow by substring.
     return APIError(
         f"This model's maximum context length is {max_context} tokens. However, your messages "

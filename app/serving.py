@@ -7,6 +7,7 @@ those failures are real HTTP errors. After that, a failure is an in-stream error
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -24,7 +25,7 @@ from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.sampling import SamplingParams
 
 from .errors import APIError, bad_request, context_length_exceeded, internal_error, model_not_found
-from .limits import check_nesting
+from .limits import certainly_too_long, check_nesting, check_tools, longest_token_chars, text_chars
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
 from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
@@ -61,6 +62,11 @@ class ChatServing:
 
     # -- validation and request building --------------------------------------------------------
 
+    @functools.cached_property
+    def token_chars(self) -> int | None:
+        """The most characters one token covers (for the early prompt-length check)."""
+        return longest_token_chars(self.engine.tokenizer)
+
     @property
     def grammars(self):
         if self._grammars is None:  # xgrammar's tokenizer tables are built on first use
@@ -83,7 +89,12 @@ class ChatServing:
         if req.unknown_fields:
             log.debug("ignoring unknown request fields %s", req.unknown_fields)
         # before anything walks the request recursively (templates, tool prompts, grammars)
-        check_nesting(req.model_dump(by_alias=True, exclude_none=True))
+        fields = req.model_dump(by_alias=True, exclude_none=True)
+        check_nesting(fields)
+        check_tools(req.tools)
+        chars = text_chars(fields["messages"]) + text_chars(fields.get("tools"))
+        if certainly_too_long(chars, self.engine.max_context, self.token_chars):
+            raise context_length_exceeded(f"at least {-(-chars // self.token_chars)}", self.engine.max_context)
         if req.n not in (None, 1):
             raise bad_request("Only n=1 is supported.", "n", "unsupported_value")
         if req.logprobs:

@@ -216,3 +216,124 @@ def test_chunked_body_is_cut_off_at_the_limit_before_the_app_runs():
     assert not called and len(received) == 11  # stopped at the first chunk past the limit
     assert sent[0]["status"] == 413
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
+
+
+# --- linear-time streaming -----------------------------------------------------------------------
+
+
+def brute_force_stop(text: str, stops: list[str]) -> tuple[str, bool, int]:
+    """(text cut at the earliest stop string, stopped, held-back length): the definition."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], True, 0
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text, False, hold
+
+
+def test_stop_matching_equals_the_definition_under_any_chunking():
+    import random
+
+    from app.output import TextAccumulator
+    from test_gateway_units import CharTokenizer
+
+    rng = random.Random(18)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        acc = TextAccumulator(CharTokenizer(), stops)
+        pos = 0
+        while pos < len(text) and not acc.stopped:
+            n = rng.randint(1, 5)
+            acc.add([ord(c) for c in text[pos:pos + n]])
+            pos += n
+            if not acc.stopped:
+                cut, _, hold = brute_force_stop(acc.text, stops)
+                assert acc.visible() == acc.text[: len(acc.text) - hold], (stops, text)
+        acc.finish()
+        # token by token, the cut is at the earliest stop completed by the first token completing any
+        expected, stopped, _ = brute_force_stop(text[:acc.num_tokens], stops)
+        assert (acc.text, acc.stopped) == (expected, stopped), (stops, text)
+
+
+def test_stop_hold_back_is_linear_in_the_output():
+    import time
+
+    from app.limits import MAX_STOP_CHARS, MAX_STOPS
+    from app.output import TextAccumulator
+    from test_gateway_units import CharTokenizer
+
+    # the worst case of a suffix-by-suffix check: every prefix length has to be tried
+    stops = [("ab" * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 1] + chr(ord("c") + i) for i in range(MAX_STOPS)]
+    acc = TextAccumulator(CharTokenizer(), stops)
+    t0 = time.process_time()
+    for _ in range(5000):
+        acc.add([ord("a")])
+        assert acc.visible() == acc.text[:-1]  # "a" may begin every stop string
+    assert time.process_time() - t0 < 2.0  # was minutes: each round re-checked every prefix
+
+
+def test_streamed_tool_call_parsing_is_linear_in_the_output():
+    import time
+
+    from app.tools import StreamingToolParser, parse_tool_calls
+
+    args = json.dumps({"items": [{"k": i, "s": "x}" * 3} for i in range(1200)]})  # ~30 KB
+    text = '<tool_call>\n{"name": "f", "arguments": ' + args + "}\n</tool_call>"
+    parser = StreamingToolParser()
+    streamed = ""
+    t0 = time.process_time()
+    for cut in range(3, len(text) + 3, 3):
+        _, deltas = parser.update(text[:cut], final=cut >= len(text))
+        streamed += "".join(d.function.arguments or "" for d in deltas)
+    assert time.process_time() - t0 < 2.0  # was 11.6 s: every round re-scanned the whole call
+    assert streamed == args == parse_tool_calls(text)[1][0].arguments
+
+
+class CountingTokenizer:
+    """A character tokenizer that knows its vocabulary and counts how often it is asked to encode."""
+
+    def __new__(cls):
+        from test_gateway_units import CharTokenizer
+
+        class Tok(CharTokenizer):
+            calls = 0
+
+            def get_vocab(self):
+                return {chr(i): i for i in range(32, 127)}
+
+            def __call__(self, text, add_special_tokens=False):
+                Tok.calls += 1
+                return super().__call__(text, add_special_tokens)
+        return Tok()
+
+
+def test_stop_strings_tools_and_prompt_length_are_bounded():
+    from app.limits import MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS
+
+    engine = FakeEngine("ok")
+    engine.tokenizer = CountingTokenizer()
+    engine.max_context = 20_000  # room for the prompt of 128 tools
+    app, tc = in_process(engine)
+    post = lambda **body: tc.post("/v1/chat/completions", json={"messages": HI, **body})
+    with tc:
+        error = assert_openai_error(post(stop=["x" * (MAX_STOP_CHARS + 1)]), 400)
+        assert error["param"] == "stop" and str(MAX_STOP_CHARS) in error["message"]
+        error = assert_openai_error(post(stop=[f"s{i}" for i in range(MAX_STOPS + 1)]), 400)
+        assert error["param"] == "stop" and str(MAX_STOPS) in error["message"]
+        assert post(stop=["x" * MAX_STOP_CHARS] * MAX_STOPS).status_code == 200
+        many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]
+        error = assert_openai_error(post(tools=many), 400, "too_many_tools")
+        assert error["param"] == "tools" and str(MAX_TOOLS) in error["message"]
+        assert post(tools=many[:MAX_TOOLS]).status_code == 200
+        # longer than the context in characters: refused without tokenizing it
+        before = engine.tokenizer.calls
+        huge = [{"role": "user", "content": "x" * (engine.max_context + 1)}]
+        error = assert_openai_error(tc.post("/v1/chat/completions", json={"messages": huge}), 400,
+                                    "context_length_exceeded")
+        assert "maximum context length is 20000 tokens" in error["message"]
+        assert engine.tokenizer.calls == before
+        # a prompt that might fit is tokenized and checked exactly
+        fits = [{"role": "user", "content": "x" * (engine.max_context - 100)}]
+        assert tc.post("/v1/chat/completions", json={"messages": fits}).status_code == 200
+        assert engine.tokenizer.calls > before
+        assert_still_serving(tc)
