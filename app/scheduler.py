@@ -72,10 +72,11 @@ class RequestHandle:
         self.done = False
 
     def cancel(self, reason: str = "abort") -> None:
-        """Thread-safe; stops the generation before its next round. No-op once finished."""
+        """Thread-safe; stops the generation before its next round, or takes it out of the waiting
+        queue at once (its place is free for the next request). No-op once finished."""
         if self.cancel_reason is None and not self.done:
             self.cancel_reason = reason
-            self._scheduler._wake()
+            self._scheduler._cancelled(self)
 
     def _push(self, item) -> None:  # worker thread
         try:
@@ -172,9 +173,20 @@ class Scheduler:
         with self._cv:
             self._admitted -= 1
 
-    def _wake(self) -> None:
+    def _cancelled(self, handle: RequestHandle) -> None:
         with self._cv:
-            self._cv.notify_all()
+            try:
+                self._waiting.remove(handle)  # at most max_queue long
+            except ValueError:  # already admitted: the worker stops it before its next round
+                self._cv.notify_all()
+                return
+        self._end_unstarted(handle)
+
+    def _end_unstarted(self, handle: RequestHandle) -> None:
+        """A request cancelled before it started: finished with no tokens."""
+        handle._push(Finished("cancelled", {}, {}, len(handle.request.prompt_ids), 0))
+        self._record_finish(handle, handle.cancel_reason or "abort", time.perf_counter() - handle.arrival)
+        self.events.publish("request_finished", id=handle.id, finish_reason=handle.cancel_reason or "abort")
 
     # -- the worker ---------------------------------------------------------------------------------
 
@@ -200,7 +212,7 @@ class Scheduler:
     def _start(self, handle: RequestHandle) -> None:
         now = time.perf_counter()
         if handle.cancel_reason is not None:
-            self._record_finish(handle, handle.cancel_reason, now - handle.arrival)
+            self._end_unstarted(handle)
             return
         if now > handle.deadline:
             self._fail(handle, timeout_error(self.request_timeout), "timeout")

@@ -36,6 +36,7 @@ from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id,
 log = logging.getLogger(__name__)
 
 SSE_PING_SECONDS = 15  # comment lines (": ping"), which every SSE client ignores
+DISCONNECT_POLL_SECONDS = 0.1  # a non-streaming request checks this often whether its client is still there
 
 
 @dataclass
@@ -202,24 +203,23 @@ class ChatServing:
     async def _complete(self, p: Prepared, handle: RequestHandle, http: Request) -> JSONResponse:
         acc = TextAccumulator(self.engine.tokenizer, p.stop)
         finished: Finished | None = None
-        while finished is None:
-            try:
-                item = await asyncio.wait_for(handle.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    handle.cancel("abort")
-                    raise APIError("client disconnected", 499, "invalid_request_error", None,
-                                   "client_closed") from None
-                continue
-            if isinstance(item, TokenBatch):
-                if not acc.stopped:
-                    acc.add(item.token_ids)
-                    if acc.stopped:
-                        handle.cancel("stop")
-            elif isinstance(item, Failed):
-                raise item.error
-            else:
-                finished = item
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, handle))
+        try:
+            while finished is None:
+                item = await handle.get()
+                if isinstance(item, TokenBatch):
+                    if not acc.stopped:
+                        acc.add(item.token_ids)
+                        if acc.stopped:
+                            handle.cancel("stop")
+                elif isinstance(item, Failed):
+                    raise item.error
+                else:
+                    finished = item
+        finally:
+            watcher.cancel()
+        if handle.cancel_reason == "abort":  # the client left: nobody reads the answer
+            raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed")
         acc.finish()
         text = acc.text
         if p.parse_tools:
@@ -235,6 +235,15 @@ class ChatServing:
             choices=[Choice(message=message, finish_reason=reason)],
             usage=self._usage(finished, acc), speculation=self._stats(finished))
         return JSONResponse(body.model_dump(mode="json"))
+
+    @staticmethod
+    async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+        """Polls the connection while the request waits or generates, so a client that leaves is
+        noticed within DISCONNECT_POLL_SECONDS whether or not tokens are flowing (a streaming
+        response notices through sse-starlette instead)."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        handle.cancel("abort")
 
     @staticmethod
     def _stats(finished: Finished) -> dict:

@@ -7,6 +7,7 @@ import json
 
 import torch
 
+from app.main import create_app
 from app.settings import Settings
 from test_gateway_units import HI, FakeEngine, in_process
 from whiflash_core.drafters.base import DraftSampling, pick_tokens
@@ -337,3 +338,101 @@ def test_stop_strings_tools_and_prompt_length_are_bounded():
         assert tc.post("/v1/chat/completions", json={"messages": fits}).status_code == 200
         assert engine.tokenizer.calls > before
         assert_still_serving(tc)
+
+
+# --- cancellation: a real server, real disconnects -----------------------------------------------
+
+
+class served:
+    """The app under uvicorn on a free port, in a thread (real sockets, so clients can really leave)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from conftest import free_port
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+
+    def __enter__(self) -> str:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+def wait_until(condition, seconds: float) -> float:
+    """Seconds until `condition()` held (fails after `seconds`)."""
+    import time
+
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < seconds, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def leave_after(url: str, seconds: float, body: dict) -> None:
+    """A client that sends `body` and hangs up after `seconds` without reading an answer."""
+    import httpx
+
+    try:
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=seconds)
+    except httpx.TimeoutException:
+        return
+    raise AssertionError("the request finished before its client left")
+
+
+def test_non_streaming_client_that_leaves_is_noticed_while_tokens_flow():
+    import httpx
+
+    # a token every 10 ms for 30 s: the old 1 s "no tokens" check never fired
+    engine = FakeEngine("x" * 3000, chunk=1, delay=0.01)
+    app = create_app(engine, Settings())
+    scheduler = app.state.scheduler
+    with served(app) as url:
+        leave_after(url, 0.5, {"messages": HI})
+        noticed = wait_until(lambda: scheduler.num_running == 0, 5.0)
+        assert noticed < 1.0
+        metrics = httpx.get(url + "/metrics").text
+        assert 'whiflash:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in metrics
+        engine.reply, engine.delay = "ok", 0.0
+        assert httpx.post(url + "/v1/chat/completions", json={"messages": HI}).json()["choices"][0]["message"][
+            "content"] == "ok"
+
+
+def test_queued_request_whose_client_left_frees_its_place_at_once():
+    import threading
+
+    import httpx
+
+    engine = FakeEngine("x" * 3000, chunk=1, delay=0.01)
+    app = create_app(engine, Settings(max_active=1, max_queue=1))
+    scheduler = app.state.scheduler
+    with served(app) as url:
+        running = threading.Thread(target=leave_after, args=(url, 4.0, {"messages": HI}))
+        running.start()
+        wait_until(lambda: scheduler.num_running == 1, 5.0)
+        for stream in (False, True):  # queued behind it, then gone
+            leave_after(url, 0.3, {"messages": HI, "stream": stream})
+            wait_until(lambda: scheduler.num_waiting == 0, 1.0)
+            assert scheduler.num_running == 1
+        # its place is free: another request queues instead of getting a 429
+        status = {}
+        waiter = threading.Thread(target=lambda: status.setdefault("code", httpx.post(
+            url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, timeout=30).status_code))
+        waiter.start()
+        wait_until(lambda: scheduler.num_waiting == 1, 2.0)
+        running.join()
+        waiter.join(30)
+        assert status["code"] == 200
