@@ -60,6 +60,12 @@ def overloaded(retry_after: int = 1) -> APIError:
                     "rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
 
 
+def engine_unavailable() -> APIError:
+    # the engine worker is gone: nothing will be generated until the server is restarted
+    return APIError("The inference engine is unavailable; the server needs a restart.", 503, "server_error",
+                    None, "engine_unavailable")
+
+
 def internal_error(message: str = "internal error") -> APIError:
     # Deterministic for the request: tell openai-python not to retry it twice more.
     return APIError(message, 500, "server_error", None, "internal_error", headers={"x-should-retry": "false"})

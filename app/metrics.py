@@ -55,6 +55,9 @@ class Metrics:
         self.accepted_per_pos = Counter(f"{P}spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft", d + ["position"],
                                         registry=r)
+        self.drafter_failures = Counter(f"{P}spec_decode_drafter_failures",
+                                        "Drafters that raised in a round (that request decoded plainly from then on)",
+                                        d, registry=r)
         self.router_switches = Counter(f"{P}router_switches", "Rounds whose drafter differs from the round before",
                                        m, registry=r)
 
@@ -75,6 +78,8 @@ class Metrics:
                 self.accepted_per_pos.labels(n, r.drafter, str(pos)).inc()
         if r.switched:
             self.router_switches.labels(n).inc()
+        if r.fallback_from is not None:
+            self.drafter_failures.labels(n, r.fallback_from).inc()
 
     def tokens(self, count: int) -> None:
         self.generation_tokens.labels(self.model_name).inc(count)

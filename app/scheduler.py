@@ -8,7 +8,8 @@ the request's asyncio queue with `loop.call_soon_threadsafe`.
 Admission is bounded: at most `max_active` generations are stepped, at most `max_queue` more wait;
 beyond that `submit` raises a 429. A handle's `cancel()` (client gone, stop string found) is
 honoured before that request's next round, and a request past its deadline is stopped there too.
-An exception in one request's round fails that request only.
+An exception in one request's round fails that request only; one that escapes the worker's own
+code fails every open request with a 503 and marks the server unhealthy (`_run`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from whiflash_core.engine import Engine, Generation, GenerationRequest
 
-from .errors import APIError, bad_request, internal_error, overloaded
+from .errors import APIError, bad_request, engine_unavailable, internal_error, overloaded
 from .events import EventBus
 from .metrics import Metrics
 
@@ -120,7 +121,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.healthy = True
+        self.crashed: str | None = None      # why the worker thread died, once it has
         if metrics is not None:
             metrics.bind_queue_gauges(lambda: len(self._active), lambda: len(self._waiting))
 
@@ -142,7 +143,7 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.crashed is None
 
     @property
     def num_running(self) -> int:
@@ -159,6 +160,8 @@ class Scheduler:
         handle = RequestHandle(self, request_id, request, asyncio.get_running_loop(),
                                time.perf_counter() + self.request_timeout, info or {})
         with self._cv:
+            if self.crashed is not None or (self._thread is not None and not self._thread.is_alive()):
+                raise engine_unavailable()
             if self._admitted >= self.max_active + self.max_queue:
                 if self.metrics:
                     self.metrics.reject("queue_full")
@@ -191,6 +194,24 @@ class Scheduler:
     # -- the worker ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The worker thread. Failures in one request's round are that request's (`_step`); anything
+        escaping them is a fault of the worker itself: every open request then gets a 503 at once
+        (instead of waiting forever behind SSE pings), /health turns unhealthy and `submit` answers 503."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.critical("the engine worker thread died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self.crashed = f"{type(exc).__name__}: {exc}"
+            with self._cv:
+                waiting, self._waiting = list(self._waiting), deque()
+            for handle in [slot.handle for slot in self._active] + waiting:
+                try:
+                    self._fail(handle, engine_unavailable(), "engine_failure")
+                except Exception:  # the fault may lie in the bookkeeping itself: the answer comes first
+                    handle._push(Failed(engine_unavailable()))
+            self._active.clear()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._stopping and not self._waiting and not self._active:

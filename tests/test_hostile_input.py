@@ -4,6 +4,7 @@ normal request."""
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
@@ -436,3 +437,106 @@ def test_queued_request_whose_client_left_frees_its_place_at_once():
         running.join()
         waiter.join(30)
         assert status["code"] == 200
+
+
+# --- fault isolation -----------------------------------------------------------------------------
+
+
+def test_dead_engine_worker_fails_open_requests_with_503_and_turns_unhealthy():
+    import threading
+
+    engine = FakeEngine("x" * 400, chunk=1, delay=0.01)
+    app, tc = in_process(engine, max_active=1)
+    scheduler = app.state.scheduler
+    with tc:
+        answers = {}
+
+        def ask(name):
+            answers[name] = tc.post("/v1/chat/completions", json={"messages": HI})
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ("running", "queued")]
+        for t in threads:
+            t.start()
+            time.sleep(0.1)
+        wait_until(lambda: scheduler.num_running == 1 and scheduler.num_waiting == 1, 5.0)
+
+        def broken(slot):  # a fault in the worker's own code, outside any one request's round
+            raise RuntimeError("worker bug")
+
+        scheduler._deliver = broken
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive(), "an open request hung after the worker died"
+        for name in ("running", "queued"):
+            assert_openai_error(answers[name], 503, "engine_unavailable")
+        assert tc.get("/health").status_code == 503
+        assert_openai_error(tc.post("/v1/chat/completions", json={"messages": HI}), 503, "engine_unavailable")
+        assert 'reason="engine_failure"' in tc.get("/metrics").text
+
+
+def test_a_drafter_that_raises_falls_back_to_plain_decoding_for_that_request():
+    import asyncio
+
+    import pytest
+
+    from app.metrics import Metrics
+    from app.scheduler import Finished, Scheduler, TokenBatch
+    from tiny import tiny_dflash, tiny_eagle, tiny_target
+    from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
+
+    target = tiny_target()
+    eagle = tiny_eagle(target)
+    engine = Engine(target, None, {"eagle3": eagle, "dflash": tiny_dflash(target)})
+    prompt = [5, 9, 17, 3, 22, 41, 8]
+    plain = engine.generate(GenerationRequest(prompt, 40, speculation=SpeculationConfig(method="none"))).output
+
+    calls = {"n": 0}
+    propose = eagle.propose
+
+    def flaky(*args, **kw):  # fails on its third proposal, on this instance only
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("drafter bug")
+        return propose(*args, **kw)
+
+    eagle.propose = flaky
+    metrics = Metrics("tiny")
+
+    async def serve(requests):
+        scheduler = Scheduler(engine, metrics)
+        scheduler.start()
+        try:
+            outputs = []
+            for i, spec in enumerate(requests):
+                handle = scheduler.submit(GenerationRequest(prompt, 40, speculation=spec), f"r{i}")
+                tokens, finished = [], None
+                async for item in handle:
+                    if isinstance(item, TokenBatch):
+                        tokens += item.token_ids
+                    else:
+                        finished = item
+                assert isinstance(finished, Finished), finished
+                outputs.append((tokens, finished.stats))
+            return outputs
+        finally:
+            scheduler.stop()
+
+    (failed, failed_stats), (after, after_stats) = asyncio.run(serve(
+        [SpeculationConfig(method="eagle3"), SpeculationConfig(method="eagle3")]))
+    assert calls["n"] > 3  # the second request drafted with EAGLE-3 again
+    assert failed == plain and after == plain  # lossless either way
+    assert failed_stats["fallback_from"] == "eagle3" and failed_stats["drafters"]["eagle3"]["rounds"] == 2
+    assert "fallback_from" not in after_stats and after_stats["drafters"]["eagle3"]["rounds"] > 2
+    text = metrics.render().decode()
+    assert 'whiflash:spec_decode_drafter_failures_total{drafter="eagle3",model_name="tiny"} 1.0' in text
+    # the target failing is not a drafter failing: it stays the request's error (no fallback)
+    gen = engine.start(GenerationRequest(prompt, 5, speculation=SpeculationConfig(method="eagle3")))
+    gen.prefill()
+
+    def broken_target(*args, **kw):
+        raise RuntimeError("target bug")
+
+    engine.target.forward = broken_target
+    with pytest.raises(RuntimeError, match="target bug"):
+        gen.step()
+    assert gen.fallback_from is None
