@@ -63,6 +63,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         finally:
             await stats.stop()
             scheduler.stop()
+            serving.grammar_jobs.shutdown()
 
     app = FastAPI(title="WhiFlash Gateway", version="0.1.0", lifespan=lifespan)
     # handles for later features (e.g. a /stats page subscribing to `events`)

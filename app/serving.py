@@ -14,7 +14,7 @@ import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -25,6 +25,7 @@ from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.sampling import SamplingParams
 
 from .errors import APIError, bad_request, context_length_exceeded, internal_error, model_not_found
+from .grammar_jobs import GrammarJobs
 from .limits import certainly_too_long, check_nesting, check_tools, longest_token_chars, text_chars
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
@@ -51,6 +52,14 @@ class Prepared:
     parse_tools: bool
     parallel_tool_calls: bool
     info: dict[str, Any]  # request facts for the event feed
+    grammar: GrammarJob | None = None  # compiled into generation.constraint before submitting
+
+
+@dataclass
+class GrammarJob:
+    """A grammar to compile for a request: the parameter it comes from, and how to compile it."""
+    param: str
+    compile: Callable[[], Any]
 
 
 class ChatServing:
@@ -60,6 +69,7 @@ class ChatServing:
         self.model_name = model_name
         self.model_ids = set(model_ids or [model_name])  # the served name and its aliases
         self._grammars = None
+        self.grammar_jobs = GrammarJobs(settings.grammar_timeout, settings.grammar_queue)
 
     # -- validation and request building --------------------------------------------------------
 
@@ -74,7 +84,7 @@ class ChatServing:
             from whiflash_core.constraints import GrammarFactory
 
             self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.target.cfg.vocab_size,
-                                            self.engine.eos_ids)
+                                            self.engine.eos_ids, self.settings.grammar_cache_bytes)
         return self._grammars
 
     def default_method(self) -> str:
@@ -116,6 +126,7 @@ class ChatServing:
         prompt_tools = tools if choice != "none" else None
 
         spec = self._speculation(req)
+        grammar = self._constraint(req, tools, choice, named, parallel)  # its bounds, before tokenizing
         ids = self._encode([m.as_dict() for m in req.messages], prompt_tools)
         limit = self.engine.max_context
         if len(ids) + 1 >= limit:
@@ -129,11 +140,10 @@ class ChatServing:
         seed = None if req.seed is None else req.seed % 2**63
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed)
 
-        constraint = self._constraint(req, tools, choice, named, parallel)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return Prepared(
             id=request_id, created=int(time.time()),
-            generation=GenerationRequest(ids, max_new, sampling, spec, constraint=constraint),
+            generation=GenerationRequest(ids, max_new, sampling, spec), grammar=grammar,
             stream=bool(req.stream),
             include_usage=bool(req.stream and ((req.stream_options and req.stream_options.include_usage)
                                                or self.settings.force_include_usage)),
@@ -158,31 +168,49 @@ class ChatServing:
         given = p.model_dump(exclude_none=True, exclude={"method", "policy"}) if p is not None else {}
         return replace(self.settings.speculation(method), **given)
 
-    def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):
+    def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None,
+                    parallel: bool) -> GrammarJob | None:
+        """What to compile for the request's tool_choice / response_format (None: nothing). The
+        schemas' bounds are checked here; the compilation itself runs later, in `grammar_jobs`."""
         fmt = req.response_format
         wants_json = fmt is not None and fmt.type != "text"
         forced_tools = choice == "required" or named is not None
         if wants_json and forced_tools:
             raise bad_request("response_format cannot be combined with a required or named tool_choice.",
                               "response_format")
-        try:
-            if forced_tools:
-                chosen = [t for t in tools if named is None or t["function"]["name"] == named]
-                return self.grammars.tool_calls(chosen, parallel and named is None)
-            if wants_json and fmt.type == "json_object":
-                return self.grammars.json_object()
-            if wants_json:
-                spec = fmt.json_schema
-                schema = spec.schema_ if spec is not None else fmt.schema_
-                if schema is None:
-                    raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
-                return self.grammars.json_schema(schema, strict=spec.strict is not False if spec else True)
-        except APIError:
-            raise
-        except Exception as exc:  # xgrammar rejects the schema
-            param = "tools" if forced_tools else "response_format"
-            raise bad_request(f"Could not compile a grammar for the {param}: {exc}", param, "invalid_schema") from exc
+        if forced_tools:
+            chosen = [t for t in tools if named is None or t["function"]["name"] == named]
+            for i, tool in enumerate(chosen):
+                self._check_schema(tool["function"].get("parameters") or {}, f"tools[{i}].function.parameters")
+            return GrammarJob("tools", lambda: self.grammars.tool_calls(chosen, parallel and named is None))
+        if wants_json and fmt.type == "json_object":
+            return GrammarJob("response_format", lambda: self.grammars.json_object())
+        if wants_json:
+            spec = fmt.json_schema
+            schema = spec.schema_ if spec is not None else fmt.schema_
+            if schema is None:
+                raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
+            self._check_schema(schema, "response_format")
+            strict = spec.strict is not False if spec else True
+            return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict))
         return None
+
+    @staticmethod
+    def _check_schema(schema, param: str) -> None:
+        from whiflash_core.constraints import SchemaTooComplex, check_schema
+
+        try:
+            check_schema(schema)
+        except SchemaTooComplex as exc:
+            raise bad_request(f"`{param}` is too complex to compile: {exc}.", param, "schema_too_complex") from None
+
+    def _compile(self, job: GrammarJob):
+        """Runs in a grammar_jobs thread."""
+        try:
+            return job.compile()
+        except Exception as exc:  # xgrammar rejects the schema
+            raise bad_request(f"Could not compile a grammar for the {job.param}: {exc}", job.param,
+                              "invalid_schema") from exc
 
     # -- entry point ----------------------------------------------------------------------------
 
@@ -190,6 +218,9 @@ class ChatServing:
         if req.model is not None and req.model not in self.model_ids:
             raise model_not_found(req.model)
         prepared = await asyncio.to_thread(self.prepare, req)
+        if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
+            job = prepared.grammar
+            prepared.generation.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
         handle = self.scheduler.submit(prepared.generation, prepared.id, prepared.info)
         if prepared.stream:
             return EventSourceResponse(self._stream(prepared, handle), sep="\n", ping=SSE_PING_SECONDS)

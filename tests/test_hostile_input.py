@@ -540,3 +540,101 @@ def test_a_drafter_that_raises_falls_back_to_plain_decoding_for_that_request():
     with pytest.raises(RuntimeError, match="target bug"):
         gen.step()
     assert gen.fallback_from is None
+
+
+# --- grammar work bounded ------------------------------------------------------------------------
+
+
+def test_schemas_past_the_bounds_get_a_400_naming_the_bound():
+    from whiflash_core.constraints import MAX_ENUM_VALUES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
+
+    def any_of(depth: int) -> dict:
+        s: dict = {"type": "string"}
+        for _ in range(depth - 1):
+            s = {"anyOf": [s, {"type": "integer"}]}
+        return s
+
+    too_much = {
+        str(MAX_ENUM_VALUES): {"type": "object", "properties": {
+            "a": {"enum": [f"v{i}" for i in range(MAX_ENUM_VALUES // 2)]},
+            "b": {"type": "array", "items": {"enum": [f"w{i}" for i in range(MAX_ENUM_VALUES // 2 + 1)]}}}},
+        str(MAX_SCHEMA_DEPTH): any_of(MAX_SCHEMA_DEPTH + 1),
+        str(MAX_SCHEMA_BYTES): {"type": "string", "description": "x" * MAX_SCHEMA_BYTES},
+    }
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        for limit, schema in too_much.items():
+            r = tc.post("/v1/chat/completions", json={"messages": HI, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+            error = assert_openai_error(r, 400, "schema_too_complex")
+            assert error["param"] == "response_format" and limit in error["message"], error
+            r = tc.post("/v1/chat/completions", json={"messages": HI, "tools": tools_with(schema),
+                                                      "tool_choice": "required"})
+            error = assert_openai_error(r, 400, "schema_too_complex")
+            assert error["param"] == "tools[0].function.parameters" and limit in error["message"], error
+        assert_still_serving(tc)
+    from whiflash_core.constraints import check_schema
+    check_schema(any_of(MAX_SCHEMA_DEPTH))  # at the bounds is fine
+    check_schema({"enum": list(range(MAX_ENUM_VALUES))})
+
+
+class SlowGrammars:
+    """Stands in for xgrammar on a schema that takes `seconds` to compile (the fake engine has no
+    real tokenizer to build a grammar for)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.compiled = seconds, 0
+
+    def json_schema(self, schema, strict=True):
+        time.sleep(self.seconds)
+        self.compiled += 1
+        return None
+
+
+def test_slow_grammar_meets_its_deadline_and_plain_requests_never_wait_behind_it():
+    import threading
+
+    app, tc = in_process(FakeEngine("ok"), grammar_timeout=0.5, grammar_queue=2)
+    serving = app.state.serving
+    serving._grammars = slow = SlowGrammars(2.0)
+    body = {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object"}}}}
+    with tc:
+        answers = []
+        grammar_requests = [threading.Thread(target=lambda: answers.append(tc.post("/v1/chat/completions", json=body)))
+                            for _ in range(2)]
+        for t in grammar_requests:
+            t.start()
+        wait_until(lambda: serving.grammar_jobs.pending == 2, 2.0)
+        # the pool is full: a third grammar is refused at once, plain requests are served at once
+        assert_openai_error(tc.post("/v1/chat/completions", json=body), 429, "grammar_queue_full")
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert_still_serving(tc)
+            assert time.monotonic() - t0 < 0.4
+        for t in grammar_requests:
+            t.join(5)
+        for r in answers:  # each waited its 0.5 s, then a 400 naming the limit
+            error = assert_openai_error(r, 400, "grammar_timeout")
+            assert "0.5 s" in error["message"] and error["param"] == "response_format"
+        # the compilations go on in the background and free their places when done
+        wait_until(lambda: serving.grammar_jobs.pending == 0, 6.0)
+        slow.seconds = 0.0
+        assert tc.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_grammar_cache_is_bounded():
+    from transformers import AutoTokenizer
+
+    from app.settings import Settings as S
+    from whiflash_core.constraints import GRAMMAR_CACHE_BYTES, GrammarFactory
+    from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+
+    assert S().grammar_cache_bytes == GRAMMAR_CACHE_BYTES > 0  # the server's default is a bound
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF)
+    limit = 2 * 1024 * 1024  # a few grammars of this tokenizer (each ~0.5 MB); 30 would be ~16 MB
+    grammars = GrammarFactory(tok, len(tok), [tok.eos_token_id], cache_limit_bytes=limit)
+    assert grammars.compiler.cache_limit_bytes == limit
+    for i in range(30):  # distinct schemas, each cached
+        grammars.json_schema({"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"} for j in range(8)}})
+        assert grammars.compiler.get_cache_size_bytes() <= limit
