@@ -149,7 +149,8 @@ class ChatServing:
                                                or self.settings.force_include_usage)),
             stop=list(req.stop or []), parse_tools=choice != "none", parallel_tool_calls=parallel,
             info={"temperature": temperature, "stream": bool(req.stream), "tools": len(tools),
-                  "tool_choice": choice if isinstance(choice, str) else "named", "user": req.user})
+                  # `user` is the client's own identifier of its end user: never published on the feed
+                  "tool_choice": choice if isinstance(choice, str) else "named"})
 
     def _encode(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
