@@ -638,3 +638,30 @@ def test_grammar_cache_is_bounded():
     for i in range(30):  # distinct schemas, each cached
         grammars.json_schema({"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"} for j in range(8)}})
         assert grammars.compiler.get_cache_size_bytes() <= limit
+
+
+# --- the request body in the OpenAPI document ----------------------------------------------------
+
+
+def test_openapi_document_describes_the_chat_request_body():
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        doc = tc.get("/openapi.json").json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    schema = body["content"]["application/json"]["schema"]
+    assert body["required"] and "messages" in schema["required"]
+    assert {"messages", "temperature", "tools", "stop", "speculation"} <= set(schema["properties"])
+    # every $ref resolves inside the document (what a fuzzer such as schemathesis needs)
+    refs, stack = [], [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            refs += [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    assert any(r.endswith("/ChatMessage") for r in refs)
+    for ref in refs:
+        target = doc
+        for part in ref.removeprefix("#/").split("/"):
+            target = target[part]
