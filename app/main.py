@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -66,6 +67,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         finally:
             await stats.stop()
             scheduler.stop()
+            serving.grammar_jobs.shutdown()
 
     app = FastAPI(title="WhiFlash Gateway", version="0.1.0", lifespan=lifespan)
     # handles for later features (e.g. a /stats page subscribing to `events`)
@@ -81,7 +83,13 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
 
     api = APIRouter(dependencies=[Depends(_auth_dependency(settings.api_key))])
 
-    @api.post("/v1/chat/completions")
+    # the body is parsed by hand (below), so FastAPI does not know its schema: declared here, with its
+    # $defs moved into the document's components, so the OpenAPI document (and schemathesis) has it
+    body_schema = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    body_defs = body_schema.pop("$defs", {})
+
+    @api.post("/v1/chat/completions", openapi_extra={"requestBody": {
+        "required": True, "content": {"application/json": {"schema": body_schema}}}})
     async def chat_completions(request: Request):
         # parsed here rather than by FastAPI so that every failure (malformed JSON included) becomes
         # an OpenAI-shaped 400; RequestBodyLimits has already checked the content type and size
@@ -117,5 +125,14 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     app.include_router(api)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(body_defs)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
     install_stats(app, stats, settings, _auth_dependency(settings.api_key), engine.methods, serving.default_method)
     return app

@@ -61,6 +61,9 @@ class Metrics:
         self.prefix_cache_hits = Counter(f"{P}prefix_cache_hits", "Prompt tokens reused from the prefix cache",
                                          m, registry=r)
         self.prefix_cache_bytes = Gauge(f"{P}prefix_cache_bytes", "Memory held by the prefix cache", m, registry=r)
+        self.drafter_failures = Counter(f"{P}spec_decode_drafter_failures",
+                                        "Drafters that raised in a round (that request decoded plainly from then on)",
+                                        d, registry=r)
         self.router_switches = Counter(f"{P}router_switches", "Rounds whose drafter differs from the round before",
                                        m, registry=r)
 
@@ -84,6 +87,8 @@ class Metrics:
                 self.accepted_per_pos.labels(n, r.drafter, str(pos)).inc()
         if r.switched:
             self.router_switches.labels(n).inc()
+        if r.fallback_from is not None:
+            self.drafter_failures.labels(n, r.fallback_from).inc()
 
     def tokens(self, count: int) -> None:
         self.generation_tokens.labels(self.model_name).inc(count)

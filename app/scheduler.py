@@ -8,7 +8,8 @@ the request's asyncio queue with `loop.call_soon_threadsafe`.
 Admission is bounded: at most `max_active` generations are stepped, at most `max_queue` more wait;
 beyond that `submit` raises a 429. A handle's `cancel()` (client gone, stop string found) is
 honoured before that request's next round, and a request past its deadline is stopped there too.
-An exception in one request's round fails that request only.
+An exception in one request's round fails that request only; one that escapes the worker's own
+code fails every open request with a 503 and marks the server unhealthy (`_run`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 
 from whiflash_core.engine import Engine, Generation, GenerationRequest
 
-from .errors import APIError, bad_request, internal_error, overloaded
+from .errors import APIError, bad_request, engine_unavailable, internal_error, overloaded
 from .events import EventBus
 from .metrics import Metrics
 
@@ -73,10 +74,11 @@ class RequestHandle:
         self.done = False
 
     def cancel(self, reason: str = "abort") -> None:
-        """Thread-safe; stops the generation before its next round. No-op once finished."""
+        """Thread-safe; stops the generation before its next round, or takes it out of the waiting
+        queue at once (its place is free for the next request). No-op once finished."""
         if self.cancel_reason is None and not self.done:
             self.cancel_reason = reason
-            self._scheduler._wake()
+            self._scheduler._cancelled(self)
 
     def _push(self, item) -> None:  # worker thread
         try:
@@ -120,7 +122,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.healthy = True
+        self.crashed: str | None = None      # why the worker thread died, once it has
         if metrics is not None:
             metrics.bind_queue_gauges(lambda: len(self._active), lambda: len(self._waiting))
 
@@ -142,7 +144,7 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.crashed is None
 
     @property
     def num_running(self) -> int:
@@ -159,6 +161,8 @@ class Scheduler:
         handle = RequestHandle(self, request_id, request, asyncio.get_running_loop(),
                                time.perf_counter() + self.request_timeout, info or {})
         with self._cv:
+            if self.crashed is not None or (self._thread is not None and not self._thread.is_alive()):
+                raise engine_unavailable()
             if self._admitted >= self.max_active + self.max_queue:
                 if self.metrics:
                     self.metrics.reject("queue_full")
@@ -173,13 +177,42 @@ class Scheduler:
         with self._cv:
             self._admitted -= 1
 
-    def _wake(self) -> None:
+    def _cancelled(self, handle: RequestHandle) -> None:
         with self._cv:
-            self._cv.notify_all()
+            try:
+                self._waiting.remove(handle)  # at most max_queue long
+            except ValueError:  # already admitted: the worker stops it before its next round
+                self._cv.notify_all()
+                return
+        self._end_unstarted(handle)
+
+    def _end_unstarted(self, handle: RequestHandle) -> None:
+        """A request cancelled before it started: finished with no tokens."""
+        handle._push(Finished("cancelled", {}, {}, len(handle.request.prompt_ids), 0))
+        self._record_finish(handle, handle.cancel_reason or "abort", time.perf_counter() - handle.arrival)
+        self.events.publish("request_finished", id=handle.id, finish_reason=handle.cancel_reason or "abort")
 
     # -- the worker ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The worker thread. Failures in one request's round are that request's (`_step`); anything
+        escaping them is a fault of the worker itself: every open request then gets a 503 at once
+        (instead of waiting forever behind SSE pings), /health turns unhealthy and `submit` answers 503."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.critical("the engine worker thread died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self.crashed = f"{type(exc).__name__}: {exc}"
+            with self._cv:
+                waiting, self._waiting = list(self._waiting), deque()
+            for handle in [slot.handle for slot in self._active] + waiting:
+                try:
+                    self._fail(handle, engine_unavailable(), "engine_failure")
+                except Exception:  # the fault may lie in the bookkeeping itself: the answer comes first
+                    handle._push(Failed(engine_unavailable()))
+            self._active.clear()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._stopping and not self._waiting and not self._active:
@@ -201,7 +234,7 @@ class Scheduler:
     def _start(self, handle: RequestHandle) -> None:
         now = time.perf_counter()
         if handle.cancel_reason is not None:
-            self._record_finish(handle, handle.cancel_reason, now - handle.arrival)
+            self._end_unstarted(handle)
             return
         if now > handle.deadline:
             self._fail(handle, timeout_error(self.request_timeout), "timeout")

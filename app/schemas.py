@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from whiflash_core.config import SpeculationConfig, api_fields, speculation_field
 
+from .limits import stop_error
+
 # --- request -----------------------------------------------------------------------------------
 
 
@@ -153,10 +155,8 @@ class ChatCompletionRequest(_Lenient):
     @classmethod
     def _stops(cls, stop):
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+        if (error := stop_error(stops)) is not None:
+            raise ValueError(error)
         return stops
 
     @property

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import functools
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -25,7 +26,8 @@ from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.sampling import SamplingParams
 
 from .errors import APIError, bad_request, context_length_exceeded, internal_error, model_not_found
-from .limits import check_nesting
+from .grammar_jobs import GrammarJobs
+from .limits import certainly_too_long, check_nesting, check_tools, longest_token_chars, text_chars
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
 from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
@@ -37,6 +39,7 @@ from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id,
 log = logging.getLogger(__name__)
 
 SSE_PING_SECONDS = 15  # comment lines (": ping"), which every SSE client ignores
+DISCONNECT_POLL_SECONDS = 0.1  # a non-streaming request checks this often whether its client is still there
 
 
 @dataclass
@@ -51,6 +54,14 @@ class Prepared:
     parse_tools: bool
     parallel_tool_calls: bool
     info: dict[str, Any]  # request facts for the event feed
+    grammar: GrammarJob | None = None  # compiled into generation.constraint before submitting
+
+
+@dataclass
+class GrammarJob:
+    """A grammar to compile for a request: the parameter it comes from, and how to compile it."""
+    param: str
+    compile: Callable[[], Any]
 
 
 class ChatServing:
@@ -60,8 +71,14 @@ class ChatServing:
         self.model_name = model_name
         self.model_ids = set(model_ids or [model_name])  # the served name and its aliases
         self._grammars = None
+        self.grammar_jobs = GrammarJobs(settings.grammar_timeout, settings.grammar_queue)
 
     # -- validation and request building --------------------------------------------------------
+
+    @functools.cached_property
+    def token_chars(self) -> int | None:
+        """The most characters one token covers (for the early prompt-length check)."""
+        return longest_token_chars(self.engine.tokenizer)
 
     @property
     def grammars(self):
@@ -69,7 +86,7 @@ class ChatServing:
             from whiflash_core.constraints import GrammarFactory
 
             self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.target.cfg.vocab_size,
-                                            self.engine.eos_ids)
+                                            self.engine.eos_ids, self.settings.grammar_cache_bytes)
         return self._grammars
 
     def default_method(self) -> str:
@@ -85,7 +102,12 @@ class ChatServing:
         if req.unknown_fields:
             log.debug("ignoring unknown request fields %s", req.unknown_fields)
         # before anything walks the request recursively (templates, tool prompts, grammars)
-        check_nesting(req.model_dump(by_alias=True, exclude_none=True))
+        fields = req.model_dump(by_alias=True, exclude_none=True)
+        check_nesting(fields)
+        check_tools(req.tools)
+        chars = text_chars(fields["messages"]) + text_chars(fields.get("tools"))
+        if certainly_too_long(chars, self.engine.max_context, self.token_chars):
+            raise context_length_exceeded(f"at least {-(-chars // self.token_chars)}", self.engine.max_context)
         if req.n not in (None, 1):
             raise bad_request("Only n=1 is supported.", "n", "unsupported_value")
         if req.logprobs:
@@ -106,6 +128,7 @@ class ChatServing:
         prompt_tools = tools if choice != "none" else None
 
         spec = self._speculation(req)
+        grammar = self._constraint(req, tools, choice, named, parallel)  # its bounds, before tokenizing
         ids = self._encode([m.as_dict() for m in req.messages], prompt_tools)
         limit = self.engine.max_context
         if len(ids) + 1 >= limit:
@@ -119,17 +142,17 @@ class ChatServing:
         seed = None if req.seed is None else req.seed % 2**63
         sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed)
 
-        constraint = self._constraint(req, tools, choice, named, parallel)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return Prepared(
             id=request_id, created=int(time.time()),
-            generation=GenerationRequest(ids, max_new, sampling, spec, constraint=constraint),
+            generation=GenerationRequest(ids, max_new, sampling, spec), grammar=grammar,
             stream=bool(req.stream),
             include_usage=bool(req.stream and ((req.stream_options and req.stream_options.include_usage)
                                                or self.settings.force_include_usage)),
             stop=list(req.stop or []), parse_tools=choice != "none", parallel_tool_calls=parallel,
             info={"temperature": temperature, "stream": bool(req.stream), "tools": len(tools),
-                  "tool_choice": choice if isinstance(choice, str) else "named", "user": req.user})
+                  # `user` is the client's own identifier of its end user: never published on the feed
+                  "tool_choice": choice if isinstance(choice, str) else "named"})
 
     def _encode(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
@@ -148,31 +171,49 @@ class ChatServing:
         given = p.model_dump(exclude_none=True, exclude={"method"}) if p is not None else {}
         return replace(self.settings.speculation(method), **given)
 
-    def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):
+    def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None,
+                    parallel: bool) -> GrammarJob | None:
+        """What to compile for the request's tool_choice / response_format (None: nothing). The
+        schemas' bounds are checked here; the compilation itself runs later, in `grammar_jobs`."""
         fmt = req.response_format
         wants_json = fmt is not None and fmt.type != "text"
         forced_tools = choice == "required" or named is not None
         if wants_json and forced_tools:
             raise bad_request("response_format cannot be combined with a required or named tool_choice.",
                               "response_format")
-        try:
-            if forced_tools:
-                chosen = [t for t in tools if named is None or t["function"]["name"] == named]
-                return self.grammars.tool_calls(chosen, parallel and named is None)
-            if wants_json and fmt.type == "json_object":
-                return self.grammars.json_object()
-            if wants_json:
-                spec = fmt.json_schema
-                schema = spec.schema_ if spec is not None else fmt.schema_
-                if schema is None:
-                    raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
-                return self.grammars.json_schema(schema, strict=spec.strict is not False if spec else True)
-        except APIError:
-            raise
-        except Exception as exc:  # xgrammar rejects the schema
-            param = "tools" if forced_tools else "response_format"
-            raise bad_request(f"Could not compile a grammar for the {param}: {exc}", param, "invalid_schema") from exc
+        if forced_tools:
+            chosen = [t for t in tools if named is None or t["function"]["name"] == named]
+            for i, tool in enumerate(chosen):
+                self._check_schema(tool["function"].get("parameters") or {}, f"tools[{i}].function.parameters")
+            return GrammarJob("tools", lambda: self.grammars.tool_calls(chosen, parallel and named is None))
+        if wants_json and fmt.type == "json_object":
+            return GrammarJob("response_format", lambda: self.grammars.json_object())
+        if wants_json:
+            spec = fmt.json_schema
+            schema = spec.schema_ if spec is not None else fmt.schema_
+            if schema is None:
+                raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
+            self._check_schema(schema, "response_format")
+            strict = spec.strict is not False if spec else True
+            return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict))
         return None
+
+    @staticmethod
+    def _check_schema(schema, param: str) -> None:
+        from whiflash_core.constraints import SchemaTooComplex, check_schema
+
+        try:
+            check_schema(schema)
+        except SchemaTooComplex as exc:
+            raise bad_request(f"`{param}` is too complex to compile: {exc}.", param, "schema_too_complex") from None
+
+    def _compile(self, job: GrammarJob):
+        """Runs in a grammar_jobs thread."""
+        try:
+            return job.compile()
+        except Exception as exc:  # xgrammar rejects the schema
+            raise bad_request(f"Could not compile a grammar for the {job.param}: {exc}", job.param,
+                              "invalid_schema") from exc
 
     # -- entry point ----------------------------------------------------------------------------
 
@@ -181,6 +222,9 @@ class ChatServing:
             raise model_not_found(req.model)
         prepared = await asyncio.to_thread(self.prepare, req)
         prepared.generation.cache_namespace = self._tenant(http)
+        if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
+            job = prepared.grammar
+            prepared.generation.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
         handle = self.scheduler.submit(prepared.generation, prepared.id, prepared.info)
         if prepared.stream:
             return EventSourceResponse(self._stream(prepared, handle), sep="\n", ping=SSE_PING_SECONDS)
@@ -201,24 +245,23 @@ class ChatServing:
     async def _complete(self, p: Prepared, handle: RequestHandle, http: Request) -> JSONResponse:
         acc = TextAccumulator(self.engine.tokenizer, p.stop)
         finished: Finished | None = None
-        while finished is None:
-            try:
-                item = await asyncio.wait_for(handle.get(), timeout=1.0)
-            except asyncio.TimeoutError:
-                if await http.is_disconnected():
-                    handle.cancel("abort")
-                    raise APIError("client disconnected", 499, "invalid_request_error", None,
-                                   "client_closed") from None
-                continue
-            if isinstance(item, TokenBatch):
-                if not acc.stopped:
-                    acc.add(item.token_ids)
-                    if acc.stopped:
-                        handle.cancel("stop")
-            elif isinstance(item, Failed):
-                raise item.error
-            else:
-                finished = item
+        watcher = asyncio.create_task(self._cancel_on_disconnect(http, handle))
+        try:
+            while finished is None:
+                item = await handle.get()
+                if isinstance(item, TokenBatch):
+                    if not acc.stopped:
+                        acc.add(item.token_ids)
+                        if acc.stopped:
+                            handle.cancel("stop")
+                elif isinstance(item, Failed):
+                    raise item.error
+                else:
+                    finished = item
+        finally:
+            watcher.cancel()
+        if handle.cancel_reason == "abort":  # the client left: nobody reads the answer
+            raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed")
         acc.finish()
         text = acc.text
         if p.parse_tools:
@@ -234,6 +277,15 @@ class ChatServing:
             choices=[Choice(message=message, finish_reason=reason)],
             usage=self._usage(finished, acc), speculation=self._stats(finished))
         return JSONResponse(body.model_dump(mode="json"))
+
+    @staticmethod
+    async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+        """Polls the connection while the request waits or generates, so a client that leaves is
+        noticed within DISCONNECT_POLL_SECONDS whether or not tokens are flowing (a streaming
+        response notices through sse-starlette instead)."""
+        while not await http.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        handle.cancel("abort")
 
     @staticmethod
     def _stats(finished: Finished) -> dict:

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from whiflash_core.config import SpeculationConfig, speculation_field
+from whiflash_core.constraints import GRAMMAR_CACHE_BYTES
 from whiflash_core.quant import WeightFormat
 from whiflash_core.router import Method
 
@@ -39,6 +40,11 @@ class Settings(BaseSettings):
                                "that start the same way (agent loops); 0 turns the prefix cache off")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1,
                                    description="largest request body accepted (larger: 413, before parsing)")
+
+    # grammars (tool_choice required / named, response_format): compiled in their own pool
+    grammar_timeout: float = Field(10.0, gt=0, description="seconds a request waits for its grammar (then a 400)")
+    grammar_queue: int = Field(4, ge=1, description="grammars compiling or waiting at once (beyond: 429)")
+    grammar_cache_bytes: int = Field(GRAMMAR_CACHE_BYTES, ge=0, description="xgrammar's compiled-grammar cache")
 
     # request defaults
     default_max_tokens: int | None = Field(None, ge=1, description="None: up to the context length")

@@ -18,9 +18,10 @@ within a round when its client goes away.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -31,9 +32,11 @@ from .drafters.base import Context, Draft, Drafter, DraftSampling
 from .drafters.ngram import NgramDrafter
 from .prefix_cache import PrefixCache
 from .rounds import Round, RoundTimes, Tally
-from .router import LOOKUP, METHODS, Method, Router, RouterCalibration, available_methods
+from .router import LOOKUP, METHODS, Method, Route, Router, RouterCalibration, available_methods
 from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
 from .target import TargetModel
+
+log = logging.getLogger(__name__)
 
 __all__ = ["METHODS", "Method", "SpeculationConfig", "GenerationRequest", "Engine", "Generation", "Round"]
 
@@ -142,6 +145,7 @@ class Generation:
         self.last_logits: torch.Tensor | None = None   # target logits [V] at the last verified position
         self.finished = False
         self.finish_reason: str | None = None
+        self.fallback_from: str | None = None   # a drafter that raised: plain decoding since then
         self.started = time.perf_counter()
         self.prefill_s = 0.0
         self.cached_tokens = 0           # prompt tokens whose K/V came from the prefix cache
@@ -216,7 +220,17 @@ class Generation:
         k = min(route.draft_len, limit)
         clock.lap("router")
         # propose: draft d1..dk (with their proposal distributions q [k, V] when sampling)
-        draft = self._propose(route.drafter, k, clock)
+        failed = None
+        try:
+            draft = self._propose(route.drafter, k, clock)
+        except Exception as exc:
+            if route.drafter is None:
+                raise
+            # a draft is only a proposal: without it this round (and the rest) is plain decoding,
+            # still the target's own tokens, so the request goes on instead of failing
+            failed = route.drafter
+            self._fall_back(failed, exc)
+            route, draft = Route(None), Draft(self.ids[:0])
         # a grammar constraint cuts the draft before the first token it forbids
         masks = self.request.constraint.masks(draft.tokens.tolist()) if self.request.constraint else None
         if masks is not None:
@@ -237,13 +251,20 @@ class Generation:
         self.last_logits = out.logits[a]
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
-                  times=clock.times)
+                  times=clock.times, fallback_from=failed)
         r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index)
         self.router.observe(route, r)
         self.tally.add(r)
         return r
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _fall_back(self, drafter: str, exc: Exception) -> None:
+        """Plain decoding (method none) for the rest of this request after `drafter` raised."""
+        log.warning("drafter %s failed (%s: %s); plain decoding for the rest of this request",
+                    drafter, type(exc).__name__, exc, exc_info=exc)
+        self.fallback_from = drafter
+        self.router = Router(self.engine.drafters, replace(self.spec, method="none"), threshold=0.0)
 
     def _propose(self, name: str | None, k: int, clock: _Clock) -> Draft:
         """The drafter catches up on verified context it has not seen (lazily: only the drafter
@@ -344,6 +365,8 @@ class Generation:
             "drafters": {name: d.as_dict() for name, d in t.drafters.items()},
             "switches": t.switches,
         }
+        if self.fallback_from is not None:
+            out["fallback_from"] = self.fallback_from
         if trace:
             tok = self.engine.tokenizer
             out["tokens"] = [
