@@ -7,8 +7,8 @@ those failures are real HTTP errors. After that, a failure is an in-stream error
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import functools
+import hashlib
 import json
 import logging
 import time
