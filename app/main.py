@@ -52,7 +52,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     metrics.bind_prefix_cache(lambda: engine.prefix_cache.stats.stored_bytes)
     events = EventBus()
     scheduler = Scheduler(engine, metrics, events, max_active=settings.max_active, max_queue=settings.max_queue,
-                          request_timeout=settings.request_timeout)
+                          request_timeout=settings.request_timeout, shared_forwards=settings.shared_forwards)
     # the ids a request's `model` may name (absent also means the served model); others are 404s
     model_ids = list(dict.fromkeys([model_name, *settings.model_aliases]))
     serving = ChatServing(engine, scheduler, settings, model_name, model_ids)

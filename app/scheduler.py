@@ -1,9 +1,11 @@
 """One engine worker thread, many requests.
 
 The model is owned by a single thread (torch here is not re-entrant, and one CPU model gains
-nothing from concurrent forwards). The worker round-robins every active generation one `step()`
-at a time, so requests interleave fairly by speculation round, and pushes each round's tokens to
-the request's asyncio queue with `loop.call_soon_threadsafe`.
+nothing from concurrent forwards). Each pass of the worker gives every active generation one
+speculation round, so requests interleave fairly by round; with `shared_forwards` (default) the
+rounds of a pass share one target forward (`Engine.step_many`: drafting per request, the verify
+rows of all of them through the weights at once), else each request runs its own. Each round's
+tokens go to the request's asyncio queue with `loop.call_soon_threadsafe`.
 
 Admission is bounded: at most `max_active` generations are stepped, at most `max_queue` more wait;
 beyond that `submit` raises a 429. A handle's `cancel()` (client gone, stop string found) is
@@ -111,7 +113,9 @@ class _Slot:
 
 class Scheduler:
     def __init__(self, engine: Engine, metrics: Metrics | None = None, events: EventBus | None = None,
-                 max_active: int = 16, max_queue: int = 64, request_timeout: float = 600.0):
+                 max_active: int = 16, max_queue: int = 64, request_timeout: float = 600.0,
+                 shared_forwards: bool = True):
+        self.shared_forwards = shared_forwards
         self.engine = engine
         self.metrics = metrics
         self.events = events or EventBus()
@@ -224,8 +228,11 @@ class Scheduler:
                     admitted.append(self._waiting.popleft())
             for handle in admitted:
                 self._start(handle)
-            for slot in list(self._active):
-                self._step(slot)
+            if self.shared_forwards:
+                self._step_together([slot for slot in list(self._active) if self._may_step(slot)])
+            else:
+                for slot in list(self._active):
+                    self._step(slot)
         for slot in self._active:  # shutting down
             slot.gen.cancel()
             slot.handle._push(Failed(APIError("server shutting down", 503, "server_error", None, "shutdown")))
@@ -260,24 +267,44 @@ class Scheduler:
         self._active.append(slot)
         self._deliver(slot)
 
-    def _step(self, slot: _Slot) -> None:
+    def _may_step(self, slot: _Slot) -> bool:
+        """False (and the request ended) when it was cancelled or is past its deadline."""
         handle, gen = slot.handle, slot.gen
         if handle.cancel_reason is not None:
             gen.cancel()
             self._finish(slot)
-            return
+            return False
         if time.perf_counter() > handle.deadline:
             gen.cancel()
             self._active.remove(slot)
             self._fail(handle, timeout_error(self.request_timeout), "timeout")
+            return False
+        return True
+
+    def _step(self, slot: _Slot) -> None:
+        """One round of one request, its own forward."""
+        if not self._may_step(slot):
             return
         try:
-            r = gen.step()
+            r = slot.gen.step()
         except Exception as exc:
-            log.exception("round failed for %s", handle.id)
+            r = exc
+        self._after_round(slot, r)
+
+    def _step_together(self, slots: list[_Slot]) -> None:
+        """One round of every active request, their verify rows in one target forward
+        (Engine.step_many): the weights are read once for all of them."""
+        if slots:
+            for slot, r in zip(slots, self.engine.step_many([slot.gen for slot in slots])):
+                self._after_round(slot, r)
+
+    def _after_round(self, slot: _Slot, r) -> None:
+        handle, gen = slot.handle, slot.gen
+        if isinstance(r, Exception):
+            log.error("round failed for %s", handle.id, exc_info=r)
             gen.cancel()
             self._active.remove(slot)
-            self._fail(handle, internal_error(f"generation failed: {type(exc).__name__}: {exc}"), "error")
+            self._fail(handle, internal_error(f"generation failed: {type(r).__name__}: {r}"), "error")
             return
         if r is not None:
             if self.metrics:

@@ -31,6 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved at once (default 16)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
+    p.add_argument("--no-shared-forwards", dest="shared_forwards", action="store_false", default=None,
+                   help="one target forward per request and round instead of one for all active requests")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body accepted, larger ones get 413 before parsing (default 2 MiB)")

@@ -34,6 +34,8 @@ class Settings(BaseSettings):
     # scheduling
     max_active: int = Field(16, ge=1, description="generations stepped round-robin at once")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429s")
+    shared_forwards: bool = Field(True, description="step the active requests' rounds together, their verify "
+                                                    "rows in one target forward (off: one forward each)")
     request_timeout: float = Field(600.0, gt=0, description="seconds from arrival to the last token")
     prefix_cache_mb: float = Field(
         512, ge=0, description="memory for the K/V of earlier requests' prefixes, reused by later requests "

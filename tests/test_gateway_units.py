@@ -165,6 +165,7 @@ class ReplayGeneration:
         self.tally = Tally.over(["dflash"])
         self.rounds = 0
         self.finished, self.finish_reason = False, None
+        self.cached_tokens = 0
 
     def _emit(self, n: int) -> None:
         take = self.script[len(self.output):len(self.output) + n][: self.request.max_new_tokens - len(self.output)]
@@ -213,6 +214,16 @@ class FakeEngine:
 
     def start(self, request):
         return ReplayGeneration(self, request)
+
+    def step_many(self, gens):
+        """As Engine.step_many: a round each, one request's exception in its place."""
+        results = []
+        for gen in gens:
+            try:
+                results.append(gen.step())
+            except Exception as exc:
+                results.append(exc)
+        return results
 
 
 TOOL_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '

@@ -66,6 +66,18 @@ class GenerationRequest:
     cache_namespace: str = ""   # prefix-cache tenant: a request only reuses its own namespace's prefixes
 
 
+@dataclass
+class RoundPlan:
+    """A round between drafting and verification (Generation.plan -> target forward -> commit)."""
+    n: int                       # verified positions before the round
+    route: Route
+    draft: Draft
+    masks: torch.Tensor | None   # grammar masks [m, V] for the verify rows
+    clock: _Clock
+    failed: str | None           # the drafter that raised this round, if any
+    rows: torch.Tensor           # [k + 1] token ids to verify: pending, d1..dk
+
+
 class Engine:
     """A target, its drafters, the router calibration and the round-cost model, shared by all requests."""
 
@@ -95,6 +107,48 @@ class Engine:
 
     def start(self, request: GenerationRequest) -> Generation:
         return Generation(self, request)
+
+    def step_many(self, gens: list[Generation]) -> list[Round | None | Exception]:
+        """One round of each generation, with one target forward shared by all of them.
+
+        Each request plans its round on its own (routes, catches up, drafts); their verify rows
+        [pending, d1..dk] then go through the target together: the linears (where the weights are
+        read, most of a CPU forward's cost) see all rows at once, attention stays per request (its
+        own cache and positions). Each request then accepts and rolls back on its own, so its tokens
+        do not depend on what it was batched with (float32: the same as stepping it alone,
+        tests/test_shared_forward.py). Returns, per generation, its Round, None once finished, or the
+        exception that ended its round: one request's failure is its own."""
+        results: list[Round | None | Exception] = [None] * len(gens)
+        planned = []
+        for i, gen in enumerate(gens):
+            try:
+                plan = gen.plan()
+            except Exception as exc:
+                results[i] = exc
+                continue
+            if plan is not None:
+                planned.append((i, gen, plan))
+        if not planned:
+            return results
+        taps = self.tap_layers if any(gen.tap_layers for _, gen, _ in planned) else ()
+        try:
+            if len(planned) == 1:   # alone: the plain forward (and the same bits as step())
+                (_, gen, plan), = planned
+                outs = [self.target(plan.rows, gen.cache, gen.tap_layers)]
+            else:
+                outs = self.target.forward_many([p.rows for _, _, p in planned], [g.cache for _, g, _ in planned],
+                                                taps)
+        except Exception as exc:
+            for i, gen, plan in planned:
+                gen.cache.rollback(min(plan.n, gen.cache.length))
+                results[i] = exc
+            return results
+        for (i, gen, plan), out in zip(planned, outs):
+            try:
+                results[i] = gen.commit(plan, out)
+            except Exception as exc:
+                results[i] = exc
+        return results
 
     def generate(self, request: GenerationRequest) -> Generation:
         gen = self.start(request)
@@ -209,6 +263,15 @@ class Generation:
 
     def step(self) -> Round | None:
         """One speculation round (None once finished)."""
+        plan = self.plan()
+        if plan is None:
+            return None
+        return self.commit(plan, self.engine.target(plan.rows, self.cache, self.tap_layers))
+
+    def plan(self) -> RoundPlan | None:
+        """The first half of a round, up to the verify forward: route and draft. Returns the rows
+        the target must verify ([pending, d1..dk]), or None once finished. `step()` runs the forward
+        for this request alone; `Engine.step_many` runs one forward for several requests' plans."""
         if self.finished:
             return None
         n = self.cache.length  # ids[:n] verified (K/V cached), ids[n] = pending token the target chose
@@ -235,12 +298,17 @@ class Generation:
         masks = self.request.constraint.masks(draft.tokens.tolist()) if self.request.constraint else None
         if masks is not None:
             draft = Draft(draft.tokens[: masks.shape[0] - 1], draft.probs)
+        return RoundPlan(n, route, draft, masks, clock, failed, torch.cat([self.ids[n:n + 1], draft.tokens]))
+
+    def commit(self, plan: RoundPlan, out) -> Round:
+        """The second half of a round, given the target's forward over `plan.rows` (this request's
+        K/V already appended to its cache): accept, roll back, emit."""
+        n, route, draft, masks, clock = plan.n, plan.route, plan.draft, plan.masks, plan.clock
         k = draft.tokens.shape[0]
-        # verify: one target forward over [pending, d1..dk] gives logits p [k+1, V]; keep the longest
+        # verify: the forward over [pending, d1..dk] gave logits p [k+1, V]; keep the longest
         # prefix d1..da the target agrees with (greedy: d_i = argmax p_i; sampling: accept d_i with
         # prob min(1, p_i(d_i) / q_i(d_i))) plus one token of its own from row a+1: the correction
         # (sampled from the residual max(0, p - q), renormalised) or, when a = k, the bonus.
-        out = self.engine.target(torch.cat([self.ids[n:n + 1], draft.tokens]), self.cache, self.tap_layers)
         a, nxt = self._verify(out.logits, draft, masks)
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
         self.cache.rollback(n + a + 1)
@@ -251,7 +319,7 @@ class Generation:
         self.last_logits = out.logits[a]
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
-                  times=clock.times, fallback_from=failed)
+                  times=clock.times, fallback_from=plan.failed)
         r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index)
         self.router.observe(route, r)
         self.tally.add(r)
