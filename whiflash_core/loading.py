@@ -32,6 +32,12 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
 # each drafter kind: its subdirectory in a drafter directory, and its loader
 DRAFTER_KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
+DEVICES = ("cpu", "cuda")
+
+
+def default_device() -> str:
+    """`--device` when not given: the GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # --- the target ----------------------------------------------------------------------------------
@@ -94,15 +100,22 @@ def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
 
 
 def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense",
-                formats: Formats | None = None):
+                formats: Formats | None = None, device: str | None = None):
     """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default, in weight
-    format `weights` (dense, int8, int4: see quant.py).
+    format `weights` (dense, int8, int4: see quant.py), on `device` (default: cuda when available).
 
     weights="auto" lets `whiflash_core.machine` time the formats on this CPU and pick per phase
     (bf16 activations only: an explicit float32 is the exact reference path and stays dense);
     `formats` imposes such a choice instead. The choice is kept as `model.formats`.
+    On a GPU the target is dense in `dtype`: the light formats are PyTorch's CPU kernels.
     """
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    device = torch.device(device or default_device())
+    if device.type != "cpu":
+        if weights not in ("dense", "auto") or formats is not None:
+            print(f"warning: --weights {formats.weights if formats else weights} runs through CPU kernels only; "
+                  f"on {device} the target loads dense {str(dt).replace('torch.', '')} weights", file=sys.stderr)
+        weights, formats = "dense", None
     hf_model, tok = load_hf_model(path)
     directory, gguf_file = model_location(path)
     gguf = os.path.join(directory, gguf_file) if gguf_file else None
@@ -125,7 +138,7 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
     if twin is not None:
         model.set_prefill_twin(twin, prefill_from)
     model.formats = formats
-    return model, tok
+    return model.to(device), tok
 
 
 # --- drafters and the engine ------------------------------------------------------------------
@@ -148,9 +161,9 @@ def random_drafters(target: TargetModel, seed: int = 0, draft_vocab: int = 8192,
         target_layer_ids=default_target_layer_ids(c.num_layers, 4), num_target_layers=c.num_layers,
         rms_norm_eps=c.rms_norm_eps, draft_vocab_size=dv if dv < c.vocab_size else None)
     return {
-        "eagle3": Eagle3Drafter.random(eagle_cfg, target.embed_tokens, seed=seed, dtype=target.dtype),
+        "eagle3": Eagle3Drafter.random(eagle_cfg, target.embed_tokens, seed=seed, dtype=target.dtype).to(target.device),
         "dflash": DFlashDrafter.random(dflash_cfg, target.embed_tokens, target.lm_head, seed=seed + 1,
-                                       dtype=target.dtype),
+                                       dtype=target.dtype).to(target.device),
     }
 
 
@@ -162,12 +175,13 @@ def load_drafters(path: str, target: TargetModel) -> dict:
 
 def load_engine(model: str | None = None, drafters: str | None = None, dtype: str = "bfloat16",
                 eagle3: str | None = None, dflash: str | None = None, threads: int | None = None,
-                weights: str = "dense") -> Engine:
+                weights: str = "dense", device: str | None = None) -> Engine:
     """The engine for `model` (None = embedded SmolLM2) with drafters from `drafters` (a directory
-    in the layout above), or explicit `eagle3` / `dflash` checkpoint directories."""
+    in the layout above), or explicit `eagle3` / `dflash` checkpoint directories, on `device`
+    (default: cuda when available; the drafters load onto the target's device)."""
     if threads:
         torch.set_num_threads(threads)
-    target, tokenizer = load_target(model, DTYPES[dtype], weights)
+    target, tokenizer = load_target(model, DTYPES[dtype], weights, device=device)
     found: dict = {}
     directory = drafters or (SHIPPED_DRAFTERS if model is None else None)
     if directory and os.path.isdir(directory):
