@@ -447,7 +447,9 @@ def throughput(target: TargetModel, pi: torch.Tensor, drafters: dict[str, Drafte
                 stats = gen.stats()
                 if not sync_phases:
                     row.update(tokens_per_s=round(tps, 2), speedup=round(tps / plain_tps, 3),
-                               acceptance_length=round(stats["acceptance_length"], 3), rounds=stats["rounds"])
+                               acceptance_length=round(stats["acceptance_length"], 3), rounds=stats["rounds"],
+                               mean_draft_len=round(stats["draft_tokens"] / stats["rounds"], 2),
+                               drafter_rounds={n: d["rounds"] for n, d in stats["drafters"].items()})
                 else:
                     # per round, each phase waited for: router (with its entropy read), the drafter's
                     # catch-up and drafting, then verify (target forward, the host read, commit)
