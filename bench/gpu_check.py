@@ -460,6 +460,8 @@ def throughput(target: TargetModel, pi: torch.Tensor, drafters: dict[str, Drafte
                            for phase in ("catch_up", "draft")},
                         "verify": round(timing["verify"] * per_round, 3)}
             rows[length] = row
+            print(f"throughput {method} AL {length}: {row['tokens_per_s']} tokens/s "
+                  f"(plain {out['plain_tokens_per_s']})", file=sys.stderr, flush=True)
         out["methods"][method] = rows
     return out
 
