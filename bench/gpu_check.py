@@ -2,8 +2,8 @@
 
     python bench/gpu_check.py --device cuda --size 8b --out bench/results/gpu_check_h200.json
 
-It needs only torch, safetensors and this repository's engine core (no transformers, no network,
-no weights: everything is generated at run time), and runs at toy size on the CPU in the test
+It needs only torch, safetensors and this repository's engine core (transformers only for the
+small target-loader check; no network, no weights: everything is generated at run time), and runs at toy size on the CPU in the test
 suite (tests/test_gpu_check.py), so it cannot rot. Sections, each written to the JSON as it ends
 (a timeout keeps what was done):
 
@@ -13,7 +13,8 @@ suite (tests/test_gpu_check.py), so it cannot rot. Sections, each written to the
               small random model on the device, in float32 and float64
   checkpoints the target's drafters at --size shape with random weights, written to disk in the
               published layouts (SafeAILab EAGLE-3, z-lab DFlash: config.json + model.safetensors)
-              and loaded back through our loaders; the loaded drafter must reproduce the saved one
+              and loaded back through our loaders; the loaded drafter must reproduce the saved one;
+              and a small Llama 3 target through save_pretrained + our loader onto the device
   verify      the bf16 verify curve T(k), k = 1..32: one target forward over k tokens after a
               512-token context (median of repeats)
   throughput  tokens/s of every method against plain decode at fixed acceptance lengths 1, 2, 4, 6,
@@ -325,6 +326,37 @@ def _same_drafts(target: TargetModel, a: Drafter, b: Drafter) -> bool:
     return drafts[0] == drafts[1]
 
 
+def check_target_loader(device: torch.device, directory: str) -> dict:
+    """A small random Llama 3 (llama3 RoPE scaling) in Hugging Face's layout, written with
+    `save_pretrained` and read back as `load_target` reads a --model directory (transformers, then
+    `from_hf`), moved to the device: in float64 its (float32) logits must match transformers' own there. (The
+    8B target is not written: 16 GB through transformers on the CPU would take minutes.)"""
+    try:
+        from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        return {"skipped": f"transformers not importable: {e}"}
+    from whiflash_core.loading import from_hf
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False, rope_parameters={
+                             "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    path = os.path.join(directory, "target")
+    LlamaForCausalLM(config).save_pretrained(path)
+    hf = AutoModelForCausalLM.from_pretrained(path).double().eval()
+    ours = from_hf(hf, torch.float64).to(device)
+    hf = hf.to(device)
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1)).to(device)
+    with torch.no_grad():
+        ref = hf(ids).logits[0].double()
+    logits = ours(ids[0], ours.new_cache(41)).logits.double()
+    return {"files": sorted(os.listdir(path)), "device": str(ours.device),
+            "max_abs_logit_diff": float((logits - ref).abs().max()),
+            "same_argmax": bool((logits.argmax(-1) == ref.argmax(-1)).all())}
+
+
 # --- (c) the verify curve ----------------------------------------------------------------------
 
 
@@ -511,6 +543,7 @@ def main(argv=None) -> int:
         def checkpoints():
             report, found = check_checkpoints(target, drafters, tmp)
             loaded.update(found)
+            report["target"] = check_target_loader(device, tmp)
             return report
         section("checkpoints", checkpoints)
     drafters = loaded or drafters  # time the drafters as our loaders built them

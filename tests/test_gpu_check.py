@@ -48,6 +48,9 @@ def test_checkpoints_round_trip_through_our_loaders(toy_results):
         assert r["device"] == "cpu"
     assert "midlayer" not in toy_results["checkpoints"]["eagle3"]["config_keys"]  # a config, not weights
     assert "dflash_config" in toy_results["checkpoints"]["dflash"]["config_keys"]
+    target = toy_results["checkpoints"]["target"]
+    assert "model.safetensors" in target["files"] and target["device"] == "cpu"
+    assert target["same_argmax"] and target["max_abs_logit_diff"] < 1e-5, target  # logits are float32
 
 
 def test_verify_curve_and_throughput_at_fixed_acceptance(toy_results):
