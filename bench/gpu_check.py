@@ -3,8 +3,8 @@
     python bench/gpu_check.py --device cuda --size 8b --out bench/results/gpu_check_h200.json
 
 It needs only torch, safetensors and this repository's engine core (transformers only for the
-small target-loader check; no network, no weights: everything is generated at run time), and runs at toy size on the CPU in the test
-suite (tests/test_gpu_check.py), so it cannot rot. Sections, each written to the JSON as it ends
+small target-loader check; no network, no weights: everything is generated at run time), and
+runs at toy size on the CPU in the test suite (tests/test_gpu_check.py), so it cannot rot. Sections, each written to the JSON as it ends
 (a timeout keeps what was done):
 
   device      torch / CUDA versions, the GPU's properties, nvidia-smi and lscpu when present
@@ -128,8 +128,8 @@ def describe(device: torch.device) -> dict:
            "cpu_threads": torch.get_num_threads(), "lscpu": _command(["lscpu"])}
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
-        out["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "memory_gib": round(p.total_memory / 2**30, 1),
-                      "multiprocessors": p.multi_processor_count}
+        out["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}",
+                      "memory_gib": round(p.total_memory / 2**30, 1), "multiprocessors": p.multi_processor_count}
         out["nvidia_smi"] = _command(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
                                       "power.limit", "--format=csv"])
     return out
@@ -156,7 +156,8 @@ def random_target(cfg: TargetConfig, dtype: torch.dtype, device: torch.device, s
     return model.eval()
 
 
-def chain_target(cfg: TargetConfig, dtype: torch.dtype, device: torch.device, seed: int) -> tuple[TargetModel, torch.Tensor]:
+def chain_target(cfg: TargetConfig, dtype: torch.dtype, device: torch.device,
+                 seed: int) -> tuple[TargetModel, torch.Tensor]:
     """(target, pi): a random target whose greedy next token after t is pi[t] whatever the context.
 
     Layers with small weights (std 0.002: each adds ~1 % to the residual stream) leave the final
@@ -329,8 +330,8 @@ def _same_drafts(target: TargetModel, a: Drafter, b: Drafter) -> bool:
 def check_target_loader(device: torch.device, directory: str) -> dict:
     """A small random Llama 3 (llama3 RoPE scaling) in Hugging Face's layout, written with
     `save_pretrained` and read back as `load_target` reads a --model directory (transformers, then
-    `from_hf`), moved to the device: in float64 its (float32) logits must match transformers' own there. (The
-    8B target is not written: 16 GB through transformers on the CPU would take minutes.)"""
+    `from_hf`), moved to the device: in float64 its (float32) logits must match transformers' own
+    there. (The 8B target is not written: 16 GB through transformers on the CPU takes minutes.)"""
     try:
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     except ImportError as e:

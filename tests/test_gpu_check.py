@@ -71,8 +71,10 @@ def test_verify_curve_and_throughput_at_fixed_acceptance(toy_results):
 
 
 def test_imports_only_the_engine_core():
-    code = (f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('gpu_check', {SCRIPT!r}); "
-            "module = sys.modules['gpu_check'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+    code = (f"import importlib.util, sys\n"
+            f"spec = importlib.util.spec_from_file_location('gpu_check', {SCRIPT!r})\n"
+            "module = sys.modules['gpu_check'] = importlib.util.module_from_spec(spec)\n"
+            "spec.loader.exec_module(module)\n"
             f"print([m for m in {NOT_ON_GPU_MACHINE!r} if m in sys.modules])")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
