@@ -4,8 +4,8 @@
 
 It needs only torch, safetensors and this repository's engine core (transformers only for the
 small target-loader check; no network, no weights: everything is generated at run time), and
-runs at toy size on the CPU in the test suite (tests/test_gpu_check.py), so it cannot rot. Sections, each written to the JSON as it ends
-(a timeout keeps what was done):
+runs at toy size on the CPU in the test suite (tests/test_gpu_check.py), so it cannot rot.
+Sections, each written to the JSON as it ends (a timeout keeps what was done):
 
   device      torch / CUDA versions, the GPU's properties, nvidia-smi and lscpu when present
   identity    every method (none, ngram, eagle3, dflash, whiflash, and an oracle drafter that
@@ -329,14 +329,15 @@ def _same_drafts(target: TargetModel, a: Drafter, b: Drafter) -> bool:
 
 def check_target_loader(device: torch.device, directory: str) -> dict:
     """A small random Llama 3 (llama3 RoPE scaling) in Hugging Face's layout, written with
-    `save_pretrained` and read back as `load_target` reads a --model directory (transformers, then
-    `from_hf`), moved to the device: in float64 its (float32) logits must match transformers' own
-    there. (The 8B target is not written: 16 GB through transformers on the CPU takes minutes.)"""
+    `save_pretrained` and read back both ways `load_target` reads a --model directory (on a GPU
+    `from_safetensors`, on the CPU transformers then `from_hf`), on the device: in float64 our
+    (float32) logits must match transformers' own there. (The 8B target is not written: 16 GB of
+    random weights to disk and back would take a good part of the time budget.)"""
     try:
         from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
     except ImportError as e:
         return {"skipped": f"transformers not importable: {e}"}
-    from whiflash_core.loading import from_hf
+    from whiflash_core.loading import from_hf, from_safetensors
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=80, num_hidden_layers=4,
@@ -347,15 +348,19 @@ def check_target_loader(device: torch.device, directory: str) -> dict:
     path = os.path.join(directory, "target")
     LlamaForCausalLM(config).save_pretrained(path)
     hf = AutoModelForCausalLM.from_pretrained(path).double().eval()
-    ours = from_hf(hf, torch.float64).to(device)
+    # the two ways load_target builds a target: off the CPU straight from the files, else via transformers
+    loaders = {"from_safetensors": from_safetensors(path, torch.float64, device),
+               "from_hf": from_hf(hf, torch.float64).to(device)}
     hf = hf.to(device)
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
         ref = hf(ids).logits[0].double()
-    logits = ours(ids[0], ours.new_cache(41)).logits.double()
-    return {"files": sorted(os.listdir(path)), "device": str(ours.device),
-            "max_abs_logit_diff": float((logits - ref).abs().max()),
-            "same_argmax": bool((logits.argmax(-1) == ref.argmax(-1)).all())}
+    out = {"files": sorted(os.listdir(path))}
+    for name, ours in loaders.items():
+        logits = ours(ids[0], ours.new_cache(41)).logits.double()
+        out[name] = {"device": str(ours.device), "max_abs_logit_diff": float((logits - ref).abs().max()),
+                     "same_argmax": bool((logits.argmax(-1) == ref.argmax(-1)).all())}
+    return out
 
 
 # --- (c) the verify curve ----------------------------------------------------------------------

@@ -72,12 +72,17 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
     rot = hf_model.model.rotary_emb
     rotary = Rotary(rot.inv_freq.detach().clone(), min(cfg.max_position_embeddings, 4096),
                     float(getattr(rot, "attention_scaling", 1.0)))
-    with torch.device("meta"):
-        model = TargetModel(cfg, rotary)
     state = {}
     for name, tensor in hf_model.state_dict().items():
         key = name[len("model."):] if name.startswith("model.") else name
         state[key] = tensor
+    return _assemble(cfg, rotary, state).to(dtype)
+
+
+def _assemble(cfg: TargetConfig, rotary: Rotary, state: dict[str, torch.Tensor]) -> TargetModel:
+    """A TargetModel that takes over Hugging Face-named tensors (linears stacked, ties restored)."""
+    with torch.device("meta"):
+        model = TargetModel(cfg, rotary)
     state = stack_linears(state, cfg.num_layers)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -85,7 +90,47 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = rotary
-    return model.to(dtype).eval()
+    return model.eval()
+
+
+def from_safetensors(directory: str, dtype: torch.dtype = torch.bfloat16,
+                     device: str | torch.device = "cpu") -> TargetModel:
+    """Our TargetModel straight from a Hugging Face directory (config.json + safetensors shards),
+    each tensor read onto `device` and cast to `dtype` there: no transformers model and no float32
+    copy on the host (an 8B model through `from_hf` holds tens of GB of host memory on the way).
+    Same weights and RoPE as `from_hf` (transformers computes the inverse frequencies, any rope type)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    # Qwen3's rotary embedding is a copy of Llama's: both compute inv_freq from the config alone
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_cfg = AutoConfig.from_pretrained(directory)
+    cfg = TargetConfig.from_hf(hf_cfg)
+    rot = LlamaRotaryEmbedding(hf_cfg)
+    rotary = Rotary(rot.inv_freq.detach().clone(), min(cfg.max_position_embeddings, 4096),
+                    float(getattr(rot, "attention_scaling", 1.0)))
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        with safe_open(os.path.join(directory, name), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):  # some older uploads saved this buffer
+                    continue
+                ours = key[len("model."):] if key.startswith("model.") else key
+                state[ours] = f.get_tensor(key).to(dtype)
+    return _assemble(cfg, rotary, state)
+
+
+def _has_safetensors(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, f))
+               for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
 def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -115,6 +160,10 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
         if weights not in ("dense", "auto") or formats is not None:
             print(f"warning: --weights {formats.weights if formats else weights} runs through CPU kernels only; "
                   f"on {device} the target loads dense {str(dt).replace('torch.', '')} weights", file=sys.stderr)
+        directory, gguf_file = model_location(path)
+        if gguf_file is None and _has_safetensors(directory):  # straight onto the device
+            from transformers import AutoTokenizer
+            return from_safetensors(directory, dt, device), AutoTokenizer.from_pretrained(directory)
         weights, formats = "dense", None
     hf_model, tok = load_hf_model(path)
     directory, gguf_file = model_location(path)
