@@ -47,7 +47,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from whiflash_core.config import SpeculationConfig  # noqa: E402
-from whiflash_core.drafters.base import Context, Draft, Drafter, DraftSampling  # noqa: E402
+from whiflash_core.drafters.base import Context, Draft, Drafter, DrafterState, DraftSampling  # noqa: E402
 from whiflash_core.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layer_ids  # noqa: E402
 from whiflash_core.drafters.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from whiflash_core.engine import METHODS, Engine, GenerationRequest  # noqa: E402
@@ -212,7 +212,6 @@ class OracleDrafter(Drafter):
         self.max_draft_tokens = 6
 
     def new_state(self, capacity):
-        from whiflash_core.drafters.base import DrafterState
         return DrafterState()
 
     def propose(self, state, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
