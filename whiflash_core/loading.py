@@ -9,6 +9,7 @@ Drafter directory layout (what `whiflash train` writes and what ships under mode
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -32,7 +33,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
 # each drafter kind: its subdirectory in a drafter directory, and its loader
 DRAFTER_KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
-DEVICES = ("cpu", "cuda")
 
 
 def default_device() -> str:
@@ -99,8 +99,6 @@ def from_safetensors(directory: str, dtype: torch.dtype = torch.bfloat16,
     each tensor read onto `device` and cast to `dtype` there: no transformers model and no float32
     copy on the host (an 8B model through `from_hf` holds tens of GB of host memory on the way).
     Same weights and RoPE as `from_hf` (transformers computes the inverse frequencies, any rope type)."""
-    import json
-
     from safetensors import safe_open
     from transformers import AutoConfig
     # Qwen3's rotary embedding is a copy of Llama's: both compute inv_freq from the config alone
@@ -160,11 +158,7 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
         if weights not in ("dense", "auto") or formats is not None:
             print(f"warning: --weights {formats.weights if formats else weights} runs through CPU kernels only; "
                   f"on {device} the target loads dense {str(dt).replace('torch.', '')} weights", file=sys.stderr)
-        directory, gguf_file = model_location(path)
-        if gguf_file is None and _has_safetensors(directory):  # straight onto the device
-            from transformers import AutoTokenizer
-            return from_safetensors(directory, dt, device), AutoTokenizer.from_pretrained(directory)
-        weights, formats = "dense", None
+        return _load_dense_on(device, path, dt)
     hf_model, tok = load_hf_model(path)
     directory, gguf_file = model_location(path)
     gguf = os.path.join(directory, gguf_file) if gguf_file else None
@@ -187,7 +181,18 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
     if twin is not None:
         model.set_prefill_twin(twin, prefill_from)
     model.formats = formats
-    return model.to(device), tok
+    return model, tok
+
+
+def _load_dense_on(device: torch.device, path: str | None, dtype: torch.dtype):
+    """(TargetModel, tokenizer) dense in `dtype` on a device other than the CPU: safetensors are
+    read straight onto it; a .gguf (the embedded default) goes through transformers on the CPU."""
+    directory, gguf_file = model_location(path)
+    if gguf_file is None and _has_safetensors(directory):
+        from transformers import AutoTokenizer
+        return from_safetensors(directory, dtype, device), AutoTokenizer.from_pretrained(directory)
+    hf_model, tok = load_hf_model(path)
+    return from_hf(hf_model, dtype).to(device), tok
 
 
 # --- drafters and the engine ------------------------------------------------------------------
@@ -210,7 +215,8 @@ def random_drafters(target: TargetModel, seed: int = 0, draft_vocab: int = 8192,
         target_layer_ids=default_target_layer_ids(c.num_layers, 4), num_target_layers=c.num_layers,
         rms_norm_eps=c.rms_norm_eps, draft_vocab_size=dv if dv < c.vocab_size else None)
     return {
-        "eagle3": Eagle3Drafter.random(eagle_cfg, target.embed_tokens, seed=seed, dtype=target.dtype).to(target.device),
+        "eagle3": Eagle3Drafter.random(eagle_cfg, target.embed_tokens, seed=seed,
+                                       dtype=target.dtype).to(target.device),
         "dflash": DFlashDrafter.random(dflash_cfg, target.embed_tokens, target.lm_head, seed=seed + 1,
                                        dtype=target.dtype).to(target.device),
     }
