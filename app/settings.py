@@ -24,6 +24,7 @@ class Settings(BaseSettings):
         "auto", description="auto: timed on this CPU per phase (whiflash info); int4: the GGUF's Q4_1 "
                             "blocks; int8: per-row int8 linears; dense: the dtype's own weights")
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    device: Literal["cpu", "cuda"] | None = Field(None, description="cuda or cpu (default: cuda when available)")
     served_model_name: str | None = None
     model_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="further names accepted as `model` (others: 404 model_not_found)")

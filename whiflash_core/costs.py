@@ -186,9 +186,11 @@ def measure(engine, adaptive: bool = False, reps: int = 3) -> CostModel:
     model = CostModel.with_table(verify_table(engine.target, engine.tap_layers), adaptive=adaptive)
     longest = min(max((d.max_draft_tokens for d in engine.drafters.values()), default=1), MAX_TIMED_DRAFT)
     capacity = CONTEXT + longest + 2
-    ids = torch.randint(0, engine.target.cfg.vocab_size, (capacity,), generator=torch.Generator().manual_seed(0))
+    device = engine.target.device
+    ids = torch.randint(0, engine.target.cfg.vocab_size, (capacity,), generator=torch.Generator().manual_seed(0)).to(device)
     taps = torch.randn(capacity, len(engine.tap_layers), engine.target.cfg.hidden_size,
-                       generator=torch.Generator().manual_seed(0)).to(engine.target.dtype)
+                       generator=torch.Generator().manual_seed(0)).to(device, engine.target.dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)   # time the work, not its launch
     greedy = DraftSampling()
     for name, drafter in engine.drafters.items():
         catch_up, draft = LinearCost(), LinearCost()
@@ -199,6 +201,7 @@ def measure(engine, adaptive: bool = False, reps: int = 3) -> CostModel:
                 drafter.catch_up(state, Context(ids, CONTEXT - backlog, taps, engine.tap_layers))
                 t0 = time.perf_counter()
                 drafter.catch_up(state, Context(ids, CONTEXT, taps, engine.tap_layers))
+                sync()
                 seconds.append(time.perf_counter() - t0)
             catch_up.add(backlog, min(seconds), decay=1.0)
         state = drafter.new_state(capacity)
@@ -209,6 +212,7 @@ def measure(engine, adaptive: bool = False, reps: int = 3) -> CostModel:
             for _ in range(reps):
                 t0 = time.perf_counter()
                 drafter.propose(state, ctx, k, greedy)
+                sync()
                 seconds.append(time.perf_counter() - t0)
             draft.add(k, min(seconds), decay=1.0)
         model.catch_up[name], model.draft[name] = catch_up, draft

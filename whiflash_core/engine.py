@@ -167,7 +167,10 @@ class Generation:
             raise ValueError("empty prompt")
         self.engine, self.request, self.spec = engine, request, spec
         self.sampling = request.sampling
-        self.generator = torch.Generator()
+        # every tensor of the request lives on the target's device (the generator too: sampling
+        # draws on the device that holds the distributions)
+        self.device = device = engine.target.device
+        self.generator = torch.Generator(device=device)
         self.generator.manual_seed(request.sampling.seed if request.sampling.seed is not None
                                    else int.from_bytes(os.urandom(4), "little"))
         self.draft_sampling = DraftSampling(request.sampling.temperature, self.generator)
@@ -182,14 +185,14 @@ class Generation:
         # Buffers start small and grow by doubling: a request without max_tokens may run to the
         # context length, but most stop far earlier.
         capacity = p + min(request.max_new_tokens, 256) + self.router.longest_draft + 2
-        self.ids = torch.zeros(capacity, dtype=torch.long)   # prompt, emitted tokens, then the pending one
-        self.ids[:p] = torch.tensor(request.prompt_ids)
+        self.ids = torch.zeros(capacity, dtype=torch.long, device=device)  # prompt, emitted, then the pending one
+        self.ids[:p] = torch.tensor(request.prompt_ids, device=device)
         self.cache = engine.target.new_cache(capacity)
         # the target taps hidden states only for drafters that read them (not for prompt lookup)
         drafters = self.router.drafters
         self.tap_layers = engine.tap_layers if any(d.tap_layers for d in drafters.values()) else ()
         self.taps = torch.zeros(capacity, len(self.tap_layers), engine.target.cfg.hidden_size,
-                                dtype=engine.target.dtype)
+                                dtype=engine.target.dtype, device=device)
         self.states = {name: d.new_state(capacity) for name, d in drafters.items()}
 
         self.output: list[int] = []      # emitted token ids (stop token excluded)
@@ -315,7 +318,7 @@ class Generation:
         if self.tap_layers:
             self.taps[n:n + a + 1] = out.taps[: a + 1]
         emitted = draft.tokens[:a].tolist() + [nxt]
-        self.ids[n + 1:n + a + 2] = torch.tensor(emitted)
+        self.ids[n + 1:n + a + 2] = torch.tensor(emitted, device=self.device)
         self.last_logits = out.logits[a]
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
@@ -358,7 +361,7 @@ class Generation:
         if end <= self.ids.shape[0]:
             return
         size = max(end, 2 * self.ids.shape[0])
-        ids = torch.zeros(size, dtype=torch.long)
+        ids = torch.zeros(size, dtype=torch.long, device=self.device)
         ids[: self.ids.shape[0]] = self.ids
         taps = self.taps.new_zeros((size,) + self.taps.shape[1:])
         taps[: self.taps.shape[0]] = self.taps
@@ -367,9 +370,9 @@ class Generation:
     def _verify(self, logits: torch.Tensor, draft: Draft | None, masks: torch.Tensor | None) -> tuple[int, int]:
         """(accepted a, next token) for a draft (None: no draft) against target logits [k+1, V];
         grammar masks [m, V] cut the rows to those the grammar allows."""
-        tokens = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long)
+        tokens = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         if masks is not None:
-            logits = logits[: masks.shape[0]].masked_fill(~masks, float("-inf"))
+            logits = logits[: masks.shape[0]].masked_fill(~masks.to(logits.device), float("-inf"))
             tokens = tokens[: masks.shape[0] - 1]
         if self.sampling.greedy:
             return verify_greedy(tokens, logits)

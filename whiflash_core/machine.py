@@ -230,7 +230,9 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
     if use_cache and os.path.exists(path):
         with open(path) as f:
             return {int(r): t for r, t in json.load(f)["table"].items()}
-    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + max(VERIFY_ROWS),), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + max(VERIFY_ROWS),),
+                        generator=torch.Generator().manual_seed(0)).to(target.device)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     cache = target.new_cache(CONTEXT + max(VERIFY_ROWS))
     best: dict[int, float] = {}
     with torch.inference_mode():
@@ -239,6 +241,7 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
             for r in VERIFY_ROWS:
                 t0 = time.perf_counter()
                 target(ids[CONTEXT:CONTEXT + r], cache, taps)
+                sync()
                 best[r] = min(best.get(r, float("inf")), time.perf_counter() - t0)
                 cache.rollback(CONTEXT)
     _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,

@@ -206,6 +206,10 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     # A long input (prefill) may run through a float32 twin of this model: where the CPU emulates
     # bf16, a float32 GEMM is several times faster than a bf16 one (bench/results/prefill_probe_avx2.json:
     # a 1,024-token prompt in 2.5 s against 13.9 s on an AVX2 EPYC), while the int4 kernels that
@@ -223,8 +227,7 @@ class TargetModel(nn.Module):
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype,
-                       self.embed_tokens.weight.device)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, taps: tuple[int, ...] = (),
@@ -235,7 +238,7 @@ class TargetModel(nn.Module):
             return self._forward_in_twin(tokens, cache, taps, logits_from)
         start = cache.length
         cache.reserve(t)
-        cos, sin = self.rotary.tables(slice(start, start + t), self.dtype)
+        cos, sin = self.rotary.tables(slice(start, start + t), self.dtype, tokens.device)
         mask = attention_mask(t, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, tokens.device)
         h, tap_tensor = self.run_layers(self.embed_tokens(tokens), cos, sin, cache.k, cache.v, start, mask, taps)
         cache.length = start + t

@@ -60,6 +60,8 @@ def add_parser(sub) -> None:
     p.add_argument("--dflash", default=None, help="DFlash checkpoint directory")
     p.add_argument("--weights", default="dense", choices=WEIGHT_FORMATS,
                    help="target weights: int4 = the GGUF's Q4_1 blocks (LM head int8), int8 = per-row int8 linears (bfloat16 only); peers stay dense")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where the target and drafters run (default: cuda when available, else cpu)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--calibrate-router", default=None, metavar="THRESHOLDS",
                    help="comma-separated entropy thresholds: sweep the whiflash router over them and report "
@@ -113,7 +115,7 @@ def build_inprocess(args, methods, prompts, notes):
     from .runners import EngineRunner, HFGenerateRunner, LlamaCppRunner, llama_cpp_available
 
     engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
-                         **({"weights": args.weights} if args.weights != "dense" else {}))
+                         **({"weights": args.weights} if args.weights != "dense" else {}), device=args.device)
     # what --weights auto chose on this machine, for the results file
     args.resolved_formats = None if engine.target.formats is None else dataclasses.asdict(engine.target.formats)
     missing = [m for m in methods if m not in engine.methods]
@@ -367,7 +369,7 @@ def calibrate_router(args, prompts) -> int:
 
     thresholds = [float(t) for t in args.calibrate_router.split(",") if t.strip()]
     engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
-                         weights=args.weights)
+                         weights=args.weights, device=args.device)
     if "whiflash" not in engine.methods:
         raise SystemExit("router calibration needs both an EAGLE-3 and a DFlash drafter")
     for p in prompts:
