@@ -224,7 +224,8 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
                                            "num_heads", "num_kv_heads", "head_dim")}
     fmt = dataclasses.asdict(target.formats) if getattr(target, "formats", None) is not None else None
     linears = sorted({type(m).__name__ for m in target.modules() if "Linear" in type(m).__name__})
-    key = {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "shape": shape, "dtype": str(target.dtype),
+    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
+    key = {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape, "dtype": str(target.dtype),
            "formats": fmt, "linears": linears, "taps": list(taps)}
     path = _cache_path(key, "verify")
     if use_cache and os.path.exists(path):
