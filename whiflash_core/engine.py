@@ -28,6 +28,7 @@ import torch
 from .config import SpeculationConfig
 from .drafters.base import Context, Draft, Drafter, DraftSampling
 from .drafters.ngram import NgramDrafter
+from .logits import LogitAdjustments, Penalizer, TokenLogprob, token_logprobs
 from .rounds import Round, RoundTimes, Tally
 from .router import LOOKUP, METHODS, Method, Router, RouterCalibration, available_methods
 from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
@@ -58,6 +59,8 @@ class GenerationRequest:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     stop_token_ids: list[int] | None = None   # default: the model's EOS ids
     constraint: Constraint | None = None
+    adjustments: LogitAdjustments = field(default_factory=LogitAdjustments)  # penalties, logit_bias
+    logprobs: int | None = None   # report each token's log-probability and this many alternatives (None: off)
 
 
 class Engine:
@@ -131,6 +134,9 @@ class Generation:
         self.sources: list[str] = []     # per emitted token: its drafter or "target"
         self.rounds_of: list[int] = []   # per emitted token: its round (0 = prefill)
         self.tally = Tally.over(drafters)
+        self.penalizer = Penalizer(request.adjustments, engine.target.cfg.vocab_size) \
+            if request.adjustments.active else None
+        self.logprobs: list[TokenLogprob] = []   # per emitted token, when the request asks for them
         self.last_logits: torch.Tensor | None = None   # target logits [V] at the last verified position
         self.finished = False
         self.finish_reason: str | None = None
@@ -154,11 +160,12 @@ class Generation:
         if self.tap_layers:
             self.taps[:p] = out.taps
         masks = self.request.constraint.masks([]) if self.request.constraint else None
-        _, tok = self._verify(out.logits, None, masks)
+        logits = self._target_logits(out.logits, None)
+        _, tok = self._verify(logits, None, masks)
         self.last_logits = out.logits[-1]
         self.ids[p] = tok
         self.prefill_s += time.perf_counter() - t0
-        self._emit([tok], ["target"], round_index=0)
+        self._emit([tok], ["target"], round_index=0, logits=logits)
 
     def step(self) -> Round | None:
         """One speculation round (None once finished)."""
@@ -183,7 +190,8 @@ class Generation:
         # prob min(1, p_i(d_i) / q_i(d_i))) plus one token of its own from row a+1: the correction
         # (sampled from the residual max(0, p - q), renormalised) or, when a = k, the bonus.
         out = self.engine.target(torch.cat([self.ids[n:n + 1], draft.tokens]), self.cache, self.tap_layers)
-        a, nxt = self._verify(out.logits, draft, masks)
+        logits = self._target_logits(out.logits, draft)
+        a, nxt = self._verify(logits, draft, masks)
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
         self.cache.rollback(n + a + 1)
         if self.tap_layers:
@@ -194,7 +202,7 @@ class Generation:
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
                   times=clock.times)
-        r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index)
+        r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index, logits)
         self.tally.add(r)
         return r
 
@@ -230,6 +238,12 @@ class Generation:
         taps[: self.taps.shape[0]] = self.taps
         self.ids, self.taps = ids, taps
 
+    def _target_logits(self, logits: torch.Tensor, draft: Draft | None) -> torch.Tensor:
+        """The request's target distribution (penalties, logit_bias) at each verified row."""
+        if self.penalizer is None:
+            return logits
+        return self.penalizer.apply(logits, draft.tokens if draft is not None else self.ids[:0])
+
     def _verify(self, logits: torch.Tensor, draft: Draft | None, masks: torch.Tensor | None) -> tuple[int, int]:
         """(accepted a, next token) for a draft (None: no draft) against target logits [k+1, V];
         grammar masks [m, V] cut the rows to those the grammar allows."""
@@ -243,8 +257,10 @@ class Generation:
         q = None if draft is None or draft.probs is None else draft.probs[: tokens.shape[0]]
         return verify_sampling(tokens, q, probs, self.generator)
 
-    def _emit(self, tokens: list[int], sources: list[str], round_index: int) -> tuple[int, list[int], list[str]]:
+    def _emit(self, tokens: list[int], sources: list[str], round_index: int,
+              logits: torch.Tensor) -> tuple[int, list[int], list[str]]:
         """Append tokens up to a stop token or max_tokens; finish the request when it is done.
+        `logits` [>= len(tokens), V]: the target rows that chose them (for penalties and logprobs).
         Returns (tokens decided: the kept ones plus a stop token, kept tokens, their sources)."""
         reason = None
         kept = len(self.output)
@@ -261,6 +277,10 @@ class Generation:
             self.rounds_of.append(round_index)
             decided += 1
         new, new_sources = self.output[kept:], self.sources[kept:]
+        if self.penalizer is not None:
+            self.penalizer.add(new)
+        if self.request.logprobs is not None and new:
+            self.logprobs += token_logprobs(logits, new, self.request.logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         constraint = self.request.constraint
