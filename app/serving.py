@@ -73,7 +73,7 @@ class ChatServing:
         if self._grammars is None:  # xgrammar's tokenizer tables are built on first use
             from whiflash_core.constraints import GrammarFactory
 
-            self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.target.cfg.vocab_size,
+            self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.vocab_size,
                                             self.engine.eos_ids)
         return self._grammars
 
@@ -144,7 +144,7 @@ class ChatServing:
 
     def adjustments(self, req: SamplingRequest) -> LogitAdjustments:
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-        if bias and max(bias) >= (vocab := self.engine.target.cfg.vocab_size):
+        if bias and max(bias) >= (vocab := self.engine.vocab_size):
             raise bad_request(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1}).", "logit_bias")
         return LogitAdjustments(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)
 

@@ -204,6 +204,7 @@ class ReplayGeneration:
 class FakeEngine:
     model_name = "fake-model"
     max_context = 4096
+    vocab_size = 0x110000  # CharTokenizer: token id = code point
     eos_ids = [0]
     methods = ["none", "dflash"]
 

@@ -86,6 +86,10 @@ class Engine:
     def max_context(self) -> int:
         return self.target.cfg.max_position_embeddings
 
+    @property
+    def vocab_size(self) -> int:
+        return self.target.cfg.vocab_size
+
     def start(self, request: GenerationRequest) -> Generation:
         return Generation(self, request)
 
