@@ -174,30 +174,41 @@ class ChatServing:
         return replace(self.settings.speculation(method), **given)
 
     def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):
-        fmt = req.response_format
-        wants_json = fmt is not None and fmt.type != "text"
-        forced_tools = choice == "required" or named is not None
-        if wants_json and forced_tools:
-            raise bad_request("response_format cannot be combined with a required or named tool_choice.",
-                              "response_format")
+        """The grammar for this request, if any:
+        required / named tool_choice   a call is forced (a structured answer can only come in a later turn)
+        auto with tools                free text, and a call once the model opens one (lazy grammar);
+                                       with response_format: tool calls or the structured answer
+        response_format alone          the JSON answer
+        """
+        schema, strict = self._answer_schema(req.response_format)
+        param = "tools"  # what a grammar that fails to compile is blamed on
         try:
-            if forced_tools:
+            if choice == "required" or named is not None:
                 chosen = [t for t in tools if named is None or t["function"]["name"] == named]
                 return self.grammars.tool_calls(chosen, parallel and named is None)
-            if wants_json and fmt.type == "json_object":
-                return self.grammars.json_object()
-            if wants_json:
-                spec = fmt.json_schema
-                schema = spec.schema_ if spec is not None else fmt.schema_
-                if schema is None:
-                    raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
-                return self.grammars.json_schema(schema, strict=spec.strict is not False if spec else True)
-        except APIError:
-            raise
-        except Exception as exc:  # xgrammar rejects the schema
-            param = "tools" if forced_tools else "response_format"
+            if tools and choice == "auto":
+                if schema is not None:
+                    return self.grammars.tool_calls_or_json(tools, parallel, schema)
+                return self.grammars.lazy_tool_calls(tools, parallel)
+            if schema is not None:
+                param = "response_format"
+                return self.grammars.json_schema(schema, strict=strict)
+        except Exception as exc:  # xgrammar rejects a schema
             raise bad_request(f"Could not compile a grammar for the {param}: {exc}", param, "invalid_schema") from exc
         return None
+
+    @staticmethod
+    def _answer_schema(fmt) -> tuple[dict | bool | None, bool]:
+        """(JSON schema, strict) that response_format asks the answer to follow; (None, _) for text."""
+        if fmt is None or fmt.type == "text":
+            return None, True
+        if fmt.type == "json_object":
+            return {"type": "object"}, True
+        spec = fmt.json_schema
+        schema = spec.schema_ if spec is not None else fmt.schema_
+        if schema is None:
+            raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
+        return schema, spec.strict is not False if spec else True
 
     # -- entry point ----------------------------------------------------------------------------
 
