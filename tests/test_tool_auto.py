@@ -52,7 +52,8 @@ def test_lazy_grammar_leaves_text_free_and_constrains_a_call_once_opened(grammar
     assert not accepts(tok, lazy, '<tool_call>\n{"name": "add", "arguments": {"a": "one"')  # not its schema
     assert not accepts(tok, lazy, '<tool_call>\nSure, the weather')                    # not a call body
     assert not may_end(tok, lazy, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', eos)  # unclosed
-    for markup in ("<tool_response>\n{}", "done </tool_call>", "ok </tool_response>"):  # echoed prompt markup
+    for markup in ("<tool_response>\n{}", "<tool_response_json>", "done </tool_call>", "ok </tool_response>",
+                   "<tools>"):  # echoed prompt markup
         assert not accepts(tok, lazy, markup), markup
     # parallel false: one call ends the turn; parallel true: more may follow
     assert not accepts(tok, lazy, CALL + "\n<tool_call>")
@@ -86,7 +87,9 @@ def ask(client, messages, method="whiflash", stream=False, **kw):
     with client.chat.completions.stream(**kw) as s:
         final = s.get_final_completion()
     m = final.choices[0].message
-    return m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []], final.choices[0].finish_reason
+    # the stream's first chunk carries content "" with the role, so the helper's message has "" for None
+    return m.content or None, [(c.function.name, c.function.arguments) for c in m.tool_calls or []], \
+        final.choices[0].finish_reason
 
 
 AFTER_RESULT = WEATHER_Q + [
@@ -103,7 +106,7 @@ def test_auto_gives_a_valid_call_or_clean_text_streamed_or_not_for_every_method(
         check_args(name, arguments)
     assert reason == ("tool_calls" if calls else reason)
     if not calls:
-        assert content and "<tool_" not in content and "</tool_" not in content, content
+        assert content and not any(m in content for m in ("<tool_response", "</tool_", "<tools>")), content
     assert ask(client, messages, "whiflash") == expected
     assert ask(client, messages, "whiflash", stream=True) == expected
 

@@ -76,8 +76,10 @@ class GrammarConstraint:
         return self.matcher.is_terminated()
 
 
-# markup the model must not write as free text under `auto` (the prompt shows it tool results)
-FREE_TEXT_EXCLUDES = [TOOL_CALL_CLOSE, "<tool_response>", "</tool_response>"]
+# markup the model must not write as free text under `auto`: the prompt shows it tool results in
+# <tool_response> and the tools in <tools>, and a small model echoes them (also as "<tool_response_json>").
+# Excluding all of "<tool_" would exclude the trigger "<tool_call>" too.
+FREE_TEXT_EXCLUDES = ["<tool_response", "<tool_result", "</tool_", "<tools>", "</tools>"]
 
 
 def _tool_tags(tools: list[dict]) -> list[TagFormat]:
