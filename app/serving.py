@@ -186,7 +186,7 @@ class ChatServing:
             if choice == "required" or named is not None:
                 chosen = [t for t in tools if named is None or t["function"]["name"] == named]
                 return self.grammars.tool_calls(chosen, parallel and named is None)
-            if tools and choice == "auto":
+            if tools and choice == "auto" and self.settings.lazy_tool_grammar:
                 if schema is not None:
                     return self.grammars.tool_calls_or_json(tools, parallel, schema)
                 return self.grammars.lazy_tool_calls(tools, parallel)
