@@ -16,7 +16,7 @@ from whiflash_core.logits import TokenLogprob
 from .errors import APIError
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
-from .schemas import CompletionTokensDetails, Usage
+from .schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 
 
 def submit_all(scheduler: Scheduler, generations: list[GenerationRequest], request_id: str,
@@ -55,26 +55,37 @@ class ChoiceState:
         return used
 
 
+DISCONNECT_POLL_SECONDS = 0.1  # a non-streaming request checks this often whether its client is still there
+
+
 async def collect(handle: RequestHandle, state: ChoiceState, http: Request) -> ChoiceState:
-    """Follow one choice to its end (non-streaming); a client that goes away cancels it (499)."""
-    while state.finished is None:
-        try:
-            item = await asyncio.wait_for(handle.get(), timeout=1.0)
-        except asyncio.TimeoutError:
-            if await http.is_disconnected():
-                handle.cancel("abort")
-                raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed") from None
-            continue
-        if isinstance(item, TokenBatch):
-            state.add(item)
-            if state.acc.stopped:
-                handle.cancel("stop")
-        elif isinstance(item, Failed):
-            raise item.error
-        else:
-            state.finished = item
+    """Follow one choice to its end (non-streaming). A watcher polls the connection meanwhile, so a
+    client that leaves is noticed within DISCONNECT_POLL_SECONDS whether or not tokens are flowing
+    (a queued request then leaves the queue at once): the choice is cancelled and this raises a 499."""
+    watcher = asyncio.create_task(_cancel_on_disconnect(http, handle))
+    try:
+        while state.finished is None:
+            item = await handle.get()
+            if isinstance(item, TokenBatch):
+                state.add(item)
+                if state.acc.stopped:
+                    handle.cancel("stop")
+            elif isinstance(item, Failed):
+                raise item.error
+            else:
+                state.finished = item
+    finally:
+        watcher.cancel()
+    if handle.cancel_reason == "abort":  # the client left: nobody reads the answer
+        raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed")
     state.acc.finish()
     return state
+
+
+async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+    handle.cancel("abort")
 
 
 async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, object]]:
@@ -111,7 +122,11 @@ def usage(states: list[ChoiceState], prompt_tokens: int) -> Usage:
         for d in (s.finished.stats.get("drafters") or {}).values():
             drafted += d.get("draft_tokens", 0)
             accepted += d.get("accepted_tokens", 0)
+    # the prompt's reuse from the prefix cache, as the first choice found it (later choices of the same
+    # prompt find the first one's prefill in the cache)
+    cached = min(states[0].finished.cached_tokens, prompt_tokens) if states else 0
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, total_tokens=prompt_tokens + completion,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
                  completion_tokens_details=CompletionTokensDetails(
                      accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted))
 

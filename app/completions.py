@@ -132,6 +132,9 @@ class CompletionServing:
         p = await asyncio.to_thread(self.prepare, req)
         info = {"temperature": p.generations[0].sampling.temperature, "stream": p.stream, "endpoint": "completions",
                 "user": req.user}
+        namespace = self.chat.tenant(http)
+        for gen in p.generations:
+            gen.cache_namespace = namespace
         handles = submit_all(self.scheduler, p.generations, p.id, info)
         if p.stream:
             return EventSourceResponse(self._stream(p, handles), sep="\n", ping=SSE_PING_SECONDS)

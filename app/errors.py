@@ -41,7 +41,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(message, 400, "invalid_request_error", param, code)
 
 
-def context_length_exceeded(prompt_tokens: int, max_context: int) -> APIError:
+def context_length_exceeded(prompt_tokens: int | str, max_context: int) -> APIError:
     # The wording matters: LiteLLM, crewAI and OpenHands detect overflow by substring.
     return APIError(
         f"This model's maximum context length is {max_context} tokens. However, your messages "
@@ -58,6 +58,12 @@ def model_not_found(model: str) -> APIError:
 def overloaded(retry_after: int = 1) -> APIError:
     return APIError("The server is at capacity; please retry shortly.", 429, "rate_limit_error", None,
                     "rate_limit_exceeded", headers={"Retry-After": str(retry_after)})
+
+
+def engine_unavailable() -> APIError:
+    # the engine worker is gone: nothing will be generated until the server is restarted
+    return APIError("The inference engine is unavailable; the server needs a restart.", 503, "server_error",
+                    None, "engine_unavailable")
 
 
 def internal_error(message: str = "internal error") -> APIError:

@@ -5,7 +5,7 @@ engine: each subscriber has a bounded queue and loses its oldest events when it 
 and with no subscribers `publish` is a cheap no-op.
 
 Events are plain dicts with a "type":
-    request_started  {id, method, alpha, prompt_tokens, max_tokens}
+    request_started  {id, method, alpha, policy, prompt_tokens, max_tokens}
     round            {id, round, drafter, draft_tokens, accepted, decided, switched, entropy, seconds}
                      (a `Round` record's fields: whiflash_core/rounds.py, `Round.event`)
     tokens           {id, round, tokens: [{id, text, source}]}

@@ -1,5 +1,6 @@
-"""Bounds on the work one request can cause: JSON nesting depth, and (`RequestBodyLimits`) content
-type and body size, checked before the body is parsed.
+"""Bounds on the work one request can cause: JSON nesting depth; the number and length of stop
+strings and tools; a prompt too long for the context found by counting characters, before it is
+tokenized; and (`RequestBodyLimits`) content type and body size, checked before the body is parsed.
 """
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ from .errors import APIError, bad_request
 # arguments stay well under this; deeper input only serves to exhaust recursion (Python's JSON
 # decoder, Jinja's tojson, schema compilation) and would fail with RecursionError -> 500.
 MAX_JSON_DEPTH = 64
+
+# OpenAI's own limit on tools per request; each one's schema also goes into the prompt and may be
+# compiled into a grammar, so the count bounds that work.
+MAX_TOOLS = 128
+# Stop strings: matching is linear in the output whatever their length (app/output.py), but each
+# costs per-character work for every generated character, so both count and length are bounded.
+MAX_STOPS = 16
+MAX_STOP_CHARS = 1000
 
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKET = re.compile(r"[\[\]{}]")
@@ -68,6 +77,59 @@ def is_too_deep(exc: ValidationError) -> bool:
     """Whether pydantic's JSON parser gave up on the body's nesting (its own limit is 200 levels)."""
     first = (exc.errors() or [{}])[0]
     return first.get("type") == "json_invalid" and "recursion limit" in str(first.get("ctx", {}).get("error", ""))
+
+
+def check_tools(tools: list | None) -> None:
+    if tools and len(tools) > MAX_TOOLS:
+        raise bad_request(f"Too many tools: {len(tools)} given, at most {MAX_TOOLS} are accepted.", "tools",
+                          "too_many_tools")
+
+
+def stop_error(stops: list[str]) -> str | None:
+    """Why `stops` is not accepted (None: it is). Raised as a validation error by the request model."""
+    if len(stops) > MAX_STOPS:
+        return f"at most {MAX_STOPS} stop sequences are accepted"
+    if any(s == "" for s in stops):
+        return "stop sequences must be non-empty"
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        return f"each stop sequence may be at most {MAX_STOP_CHARS} characters long"
+    return None
+
+
+# --- prompt length, before tokenizing ---------------------------------------------------------------
+
+
+def longest_token_chars(tokenizer) -> int | None:
+    """Characters in the longest token of the vocabulary (None if the tokenizer cannot tell).
+    A byte-level BPE vocabulary spells each byte as one character, so this is also an upper bound
+    on the characters any single token decodes to."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:
+        return None
+    vocab = get_vocab()
+    return max(map(len, vocab)) if vocab else None
+
+
+def text_chars(value: Any) -> int:
+    """Characters in the strings of a parsed JSON value (messages, tools), iteratively."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return total
+
+
+def certainly_too_long(chars: int, max_context: int, token_chars: int | None) -> bool:
+    """Whether a prompt of `chars` characters cannot fit `max_context` tokens whatever its
+    tokenization: no token covers more than `token_chars` characters, so it needs at least
+    chars / token_chars tokens. Tokenizing a prompt of megabytes takes seconds and gigabytes;
+    this answers such a prompt at once and never refuses one that could fit."""
+    return token_chars is not None and chars > max_context * token_chars
 
 
 # --- the body of a POST to the API ----------------------------------------------------------------

@@ -17,10 +17,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from whiflash_core.engine import Engine
+from whiflash_core.prefix_cache import PrefixCache
 
 from .errors import APIError, install_error_handlers, model_not_found, validation_error
 from .events import EventBus
@@ -47,10 +49,12 @@ def _auth_dependency(api_key: str | None):
 def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     model_name = settings.served_model_name or engine.model_name
+    engine.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20))
     metrics = Metrics(model_name)
+    metrics.bind_prefix_cache(lambda: engine.prefix_cache.stats.stored_bytes)
     events = EventBus()
     scheduler = Scheduler(engine, metrics, events, max_active=settings.max_active, max_queue=settings.max_queue,
-                          request_timeout=settings.request_timeout)
+                          request_timeout=settings.request_timeout, shared_forwards=settings.shared_forwards)
     # the ids a request's `model` may name (absent also means the served model); others are 404s
     model_ids = list(dict.fromkeys([model_name, *settings.model_aliases]))
     serving = ChatServing(engine, scheduler, settings, model_name, model_ids)
@@ -66,6 +70,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         finally:
             await stats.stop()
             scheduler.stop()
+            serving.grammar_jobs.shutdown()
 
     app = FastAPI(title="WhiFlash Gateway", version="0.1.0", lifespan=lifespan)
     # handles for later features (e.g. a /stats page subscribing to `events`)
@@ -81,6 +86,15 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
 
     api = APIRouter(dependencies=[Depends(_auth_dependency(settings.api_key))])
 
+    # bodies are parsed by hand (below), so FastAPI does not know their schemas: declared here, with
+    # their $defs moved into the document's components, so the OpenAPI document (and schemathesis) has them
+    body_defs: dict = {}
+
+    def body(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        body_defs.update(schema.pop("$defs", {}))
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
     async def parse(request: Request, model: type[BaseModel]):
         # parsed here rather than by FastAPI so that every failure (malformed JSON included) becomes
         # an OpenAI-shaped 400; RequestBodyLimits has already checked the content type and size
@@ -89,11 +103,11 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         except ValidationError as exc:
             raise (nesting_too_deep(None) if is_too_deep(exc) else validation_error(exc)) from None
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await serving.create(await parse(request, ChatCompletionRequest), request)
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", openapi_extra=body(CompletionRequest))
     async def text_completions(request: Request):
         return await completions.create(await parse(request, CompletionRequest), request)
 
@@ -124,5 +138,14 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         return Response(metrics.render(), media_type=metrics.content_type)
 
     app.include_router(api)
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            doc.setdefault("components", {}).setdefault("schemas", {}).update(body_defs)
+            app.openapi_schema = doc
+        return app.openapi_schema
+
+    app.openapi = openapi
     install_stats(app, stats, settings, _auth_dependency(settings.api_key), engine.methods, serving.default_method)
     return app

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from whiflash_core.rounds import Round
@@ -27,6 +27,7 @@ class Metrics:
 
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
+        ProcessCollector(registry=r)   # process_resident_memory_bytes, cpu seconds, open fds (Linux)
         self.model_name = model_name
         m = ["model_name"]
         self.requests = Counter(f"{P}request_success", "Finished requests by finish reason (abort: client left)",
@@ -55,12 +56,23 @@ class Metrics:
         self.accepted_per_pos = Counter(f"{P}spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft", d + ["position"],
                                         registry=r)
+        self.prefix_cache_queries = Counter(f"{P}prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                            m, registry=r)
+        self.prefix_cache_hits = Counter(f"{P}prefix_cache_hits", "Prompt tokens reused from the prefix cache",
+                                         m, registry=r)
+        self.prefix_cache_bytes = Gauge(f"{P}prefix_cache_bytes", "Memory held by the prefix cache", m, registry=r)
+        self.drafter_failures = Counter(f"{P}spec_decode_drafter_failures",
+                                        "Drafters that raised in a round (that request decoded plainly from then on)",
+                                        d, registry=r)
         self.router_switches = Counter(f"{P}router_switches", "Rounds whose drafter differs from the round before",
                                        m, registry=r)
 
     def bind_queue_gauges(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
         self.running.labels(self.model_name).set_function(running)
         self.waiting.labels(self.model_name).set_function(waiting)
+
+    def bind_prefix_cache(self, stored_bytes: Callable[[], float]) -> None:
+        self.prefix_cache_bytes.labels(self.model_name).set_function(stored_bytes)
 
     # -- recording (called from the engine worker thread; prometheus_client is thread-safe) --------
 
@@ -75,6 +87,8 @@ class Metrics:
                 self.accepted_per_pos.labels(n, r.drafter, str(pos)).inc()
         if r.switched:
             self.router_switches.labels(n).inc()
+        if r.fallback_from is not None:
+            self.drafter_failures.labels(n, r.fallback_from).inc()
 
     def tokens(self, count: int) -> None:
         self.generation_tokens.labels(self.model_name).inc(count)
@@ -82,6 +96,11 @@ class Metrics:
     def started(self, prompt_tokens: int, queued_s: float) -> None:
         self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
         self.queue_time.labels(self.model_name).observe(queued_s)
+
+    def prefix_cache_lookup(self, prompt_tokens: int, cached_tokens: int) -> None:
+        """hit rate = rate(prefix_cache_hits) / rate(prefix_cache_queries), as vLLM's"""
+        self.prefix_cache_queries.labels(self.model_name).inc(prompt_tokens)
+        self.prefix_cache_hits.labels(self.model_name).inc(cached_tokens)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model_name).observe(seconds)

@@ -38,16 +38,47 @@ class IncrementalDetokenizer:
         return text[len(prefix):]
 
 
+class StopMatcher:
+    """Where one stop string stands at the end of a growing text, one character at a time (the
+    Knuth-Morris-Pratt automaton): `matched` is the length of the longest prefix of the stop
+    string that the text ends with. Each character costs O(1) amortized, so checking and holding
+    back a stop string is linear in the output, whatever the stop string's length."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.matched = 0
+        # fail[i]: the longest proper prefix of stop[:i + 1] that is also a suffix of it
+        self._fail = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._fail[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._fail[i] = k
+
+    def feed(self, c: str) -> bool:
+        """Advance by one character; True when the text now ends with the whole stop string."""
+        stop, k = self.stop, self.matched
+        if k == len(stop):
+            k = self._fail[k - 1]
+        while k and c != stop[k]:
+            k = self._fail[k - 1]
+        if c == stop[k]:
+            k += 1
+        self.matched = k
+        return k == len(stop)
+
+
 class TextAccumulator:
     """The output text so far, cut at the first stop string."""
 
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.stop = [s for s in (stop or []) if s]
+        self.stops = [StopMatcher(s) for s in (stop or []) if s]
         self.text = ""          # decoded text, cut at a stop string once one is found
         self.stopped = False    # a stop string was found
         self.num_tokens = 0     # tokens consumed (the one completing a stop string included)
-        self._searched = 0      # text before this index contains no complete stop string
 
     def add(self, ids: list[int]) -> None:
         for tok in ids:  # token by token, so num_tokens stops at the token that completed a stop
@@ -63,25 +94,23 @@ class TextAccumulator:
     def _append(self, new: str) -> None:
         if not new:
             return
+        base = len(self.text)
         self.text += new
-        if not self.stop:
-            return
-        longest = max(len(s) for s in self.stop)
-        begin = max(0, self._searched - longest + 1)
-        hits = [i for i in (self.text.find(s, begin) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
+        # the earliest-starting stop string completed by this piece (the whole piece is fed, so a
+        # long stop string that began earlier wins over a short one inside it)
+        cut = None
+        for j, c in enumerate(new):
+            for m in self.stops:
+                if m.feed(c):
+                    start = base + j + 1 - len(m.stop)
+                    cut = start if cut is None else min(cut, start)
+        if cut is not None:
+            self.text = self.text[:cut]
             self.stopped = True
-        self._searched = len(self.text)
 
     def visible(self, final: bool = False) -> str:
         """Text that can be sent now: everything but a suffix that may begin a stop string."""
-        if final or self.stopped or not self.stop:
+        if final or self.stopped or not self.stops:
             return self.text
-        hold = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(self.text)), hold, -1):
-                if self.text.endswith(s[:k]):
-                    hold = k
-                    break
+        hold = max(m.matched for m in self.stops)
         return self.text[: len(self.text) - hold]

@@ -1,14 +1,17 @@
 """One engine worker thread, many requests.
 
 The model is owned by a single thread (torch here is not re-entrant, and one CPU model gains
-nothing from concurrent forwards). The worker round-robins every active generation one `step()`
-at a time, so requests interleave fairly by speculation round, and pushes each round's tokens to
-the request's asyncio queue with `loop.call_soon_threadsafe`.
+nothing from concurrent forwards). Each pass of the worker gives every active generation one
+speculation round, so requests interleave fairly by round; with `shared_forwards` (default) the
+rounds of a pass share one target forward (`Engine.step_many`: drafting per request, the verify
+rows of all of them through the weights at once), else each request runs its own. Each round's
+tokens go to the request's asyncio queue with `loop.call_soon_threadsafe`.
 
 Admission is bounded: at most `max_active` generations are stepped, at most `max_queue` more wait;
 beyond that `submit` raises a 429. A handle's `cancel()` (client gone, stop string found) is
 honoured before that request's next round, and a request past its deadline is stopped there too.
-An exception in one request's round fails that request only.
+An exception in one request's round fails that request only; one that escapes the worker's own
+code fails every open request with a 503 and marks the server unhealthy (`_run`).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from dataclasses import dataclass
 from whiflash_core.engine import Engine, Generation, GenerationRequest
 from whiflash_core.logits import TokenLogprob
 
-from .errors import APIError, bad_request, internal_error, overloaded
+from .errors import APIError, bad_request, engine_unavailable, internal_error, overloaded
 from .events import EventBus
 from .metrics import Metrics
 
@@ -48,6 +51,7 @@ class Finished:
     timing: dict                # Generation.timing()
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0      # prompt tokens reused from the prefix cache
 
 
 @dataclass
@@ -74,10 +78,11 @@ class RequestHandle:
         self.done = False
 
     def cancel(self, reason: str = "abort") -> None:
-        """Thread-safe; stops the generation before its next round. No-op once finished."""
+        """Thread-safe; stops the generation before its next round, or takes it out of the waiting
+        queue at once (its place is free for the next request). No-op once finished."""
         if self.cancel_reason is None and not self.done:
             self.cancel_reason = reason
-            self._scheduler._wake()
+            self._scheduler._cancelled(self)
 
     def _push(self, item) -> None:  # worker thread
         try:
@@ -110,7 +115,9 @@ class _Slot:
 
 class Scheduler:
     def __init__(self, engine: Engine, metrics: Metrics | None = None, events: EventBus | None = None,
-                 max_active: int = 16, max_queue: int = 64, request_timeout: float = 600.0):
+                 max_active: int = 16, max_queue: int = 64, request_timeout: float = 600.0,
+                 shared_forwards: bool = True):
+        self.shared_forwards = shared_forwards
         self.engine = engine
         self.metrics = metrics
         self.events = events or EventBus()
@@ -121,7 +128,7 @@ class Scheduler:
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.healthy = True
+        self.crashed: str | None = None      # why the worker thread died, once it has
         if metrics is not None:
             metrics.bind_queue_gauges(lambda: len(self._active), lambda: len(self._waiting))
 
@@ -143,7 +150,7 @@ class Scheduler:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.crashed is None
 
     @property
     def num_running(self) -> int:
@@ -160,6 +167,8 @@ class Scheduler:
         handle = RequestHandle(self, request_id, request, asyncio.get_running_loop(),
                                time.perf_counter() + self.request_timeout, info or {})
         with self._cv:
+            if self.crashed is not None or (self._thread is not None and not self._thread.is_alive()):
+                raise engine_unavailable()
             if self._admitted >= self.max_active + self.max_queue:
                 if self.metrics:
                     self.metrics.reject("queue_full")
@@ -174,13 +183,42 @@ class Scheduler:
         with self._cv:
             self._admitted -= 1
 
-    def _wake(self) -> None:
+    def _cancelled(self, handle: RequestHandle) -> None:
         with self._cv:
-            self._cv.notify_all()
+            try:
+                self._waiting.remove(handle)  # at most max_queue long
+            except ValueError:  # already admitted: the worker stops it before its next round
+                self._cv.notify_all()
+                return
+        self._end_unstarted(handle)
+
+    def _end_unstarted(self, handle: RequestHandle) -> None:
+        """A request cancelled before it started: finished with no tokens."""
+        handle._push(Finished("cancelled", {}, {}, len(handle.request.prompt_ids), 0))
+        self._record_finish(handle, handle.cancel_reason or "abort", time.perf_counter() - handle.arrival)
+        self.events.publish("request_finished", id=handle.id, finish_reason=handle.cancel_reason or "abort")
 
     # -- the worker ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The worker thread. Failures in one request's round are that request's (`_step`); anything
+        escaping them is a fault of the worker itself: every open request then gets a 503 at once
+        (instead of waiting forever behind SSE pings), /health turns unhealthy and `submit` answers 503."""
+        try:
+            self._serve()
+        except BaseException as exc:
+            log.critical("the engine worker thread died: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self.crashed = f"{type(exc).__name__}: {exc}"
+            with self._cv:
+                waiting, self._waiting = list(self._waiting), deque()
+            for handle in [slot.handle for slot in self._active] + waiting:
+                try:
+                    self._fail(handle, engine_unavailable(), "engine_failure")
+                except Exception:  # the fault may lie in the bookkeeping itself: the answer comes first
+                    handle._push(Failed(engine_unavailable()))
+            self._active.clear()
+
+    def _serve(self) -> None:
         while True:
             with self._cv:
                 while not self._stopping and not self._waiting and not self._active:
@@ -192,8 +230,11 @@ class Scheduler:
                     admitted.append(self._waiting.popleft())
             for handle in admitted:
                 self._start(handle)
-            for slot in list(self._active):
-                self._step(slot)
+            if self.shared_forwards:
+                self._step_together([slot for slot in list(self._active) if self._may_step(slot)])
+            else:
+                for slot in list(self._active):
+                    self._step(slot)
         for slot in self._active:  # shutting down
             slot.gen.cancel()
             slot.handle._push(Failed(APIError("server shutting down", 503, "server_error", None, "shutdown")))
@@ -202,7 +243,7 @@ class Scheduler:
     def _start(self, handle: RequestHandle) -> None:
         now = time.perf_counter()
         if handle.cancel_reason is not None:
-            self._record_finish(handle, handle.cancel_reason, now - handle.arrival)
+            self._end_unstarted(handle)
             return
         if now > handle.deadline:
             self._fail(handle, timeout_error(self.request_timeout), "timeout")
@@ -211,10 +252,12 @@ class Scheduler:
             gen = self.engine.start(handle.request)
             self.events.publish("request_started", id=handle.id, prompt_tokens=len(handle.request.prompt_ids),
                                 max_tokens=handle.request.max_new_tokens, method=gen.spec.method,
-                                alpha=gen.spec.alpha, **handle.info)
+                                alpha=gen.spec.alpha, policy=gen.spec.policy, **handle.info)
             if self.metrics:
                 self.metrics.started(len(handle.request.prompt_ids), now - handle.arrival)
             gen.prefill()
+            if self.metrics:
+                self.metrics.prefix_cache_lookup(gen.prompt_len, gen.cached_tokens)
         except ValueError as exc:  # the engine's own request checks (context length, method)
             self._fail(handle, bad_request(str(exc)), "error")
             return
@@ -226,24 +269,44 @@ class Scheduler:
         self._active.append(slot)
         self._deliver(slot)
 
-    def _step(self, slot: _Slot) -> None:
+    def _may_step(self, slot: _Slot) -> bool:
+        """False (and the request ended) when it was cancelled or is past its deadline."""
         handle, gen = slot.handle, slot.gen
         if handle.cancel_reason is not None:
             gen.cancel()
             self._finish(slot)
-            return
+            return False
         if time.perf_counter() > handle.deadline:
             gen.cancel()
             self._active.remove(slot)
             self._fail(handle, timeout_error(self.request_timeout), "timeout")
+            return False
+        return True
+
+    def _step(self, slot: _Slot) -> None:
+        """One round of one request, its own forward."""
+        if not self._may_step(slot):
             return
         try:
-            r = gen.step()
+            r = slot.gen.step()
         except Exception as exc:
-            log.exception("round failed for %s", handle.id)
+            r = exc
+        self._after_round(slot, r)
+
+    def _step_together(self, slots: list[_Slot]) -> None:
+        """One round of every active request, their verify rows in one target forward
+        (Engine.step_many): the weights are read once for all of them."""
+        if slots:
+            for slot, r in zip(slots, self.engine.step_many([slot.gen for slot in slots])):
+                self._after_round(slot, r)
+
+    def _after_round(self, slot: _Slot, r) -> None:
+        handle, gen = slot.handle, slot.gen
+        if isinstance(r, Exception):
+            log.error("round failed for %s", handle.id, exc_info=r)
             gen.cancel()
             self._active.remove(slot)
-            self._fail(handle, internal_error(f"generation failed: {type(exc).__name__}: {exc}"), "error")
+            self._fail(handle, internal_error(f"generation failed: {type(r).__name__}: {r}"), "error")
             return
         if r is not None:
             if self.metrics:
@@ -278,7 +341,8 @@ class Scheduler:
         if slot in self._active:
             self._active.remove(slot)
         stats, timing = gen.stats(), gen.timing()
-        handle._push(Finished(gen.finish_reason or "stop", stats, timing, gen.prompt_len, len(gen.output)))
+        handle._push(Finished(gen.finish_reason or "stop", stats, timing, gen.prompt_len, len(gen.output),
+                              gen.cached_tokens))
         reason = handle.cancel_reason if gen.finish_reason == "cancelled" and handle.cancel_reason else \
             gen.finish_reason or "stop"
         self._record_finish(handle, reason, time.perf_counter() - handle.arrival)

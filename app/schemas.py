@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from whiflash_core.config import SpeculationConfig, api_fields, speculation_field
 
+from .limits import stop_error
+
 # --- request -----------------------------------------------------------------------------------
 
 MAX_CHOICES = 16        # `n`: each choice is a generation of its own
@@ -121,8 +123,6 @@ def _speculation_params() -> type[BaseModel]:
     the server's default), with the config's bounds and help; strict, so a typo is a 400."""
     hints = get_type_hints(SpeculationConfig)
     spec = {name: (hints[name] | None, Field(**{**speculation_field(name), "default": None})) for name in api_fields()}
-    # accepted for compatibility and validated; entropy routing is the only policy
-    spec["policy"] = (Literal["entropy"] | None, Field(None, description="routing policy (entropy is the only one)"))
     return create_model("SpeculationParams", __config__=ConfigDict(extra="forbid", strict=True),
                         __doc__="Per-request speculative decoding knobs (`extra_body={\"speculation\": {...}}`).",
                         **spec)
@@ -156,10 +156,8 @@ class SamplingRequest(_Lenient):
     @classmethod
     def _stops(cls, stop):
         stops = [stop] if isinstance(stop, str) else (stop or [])
-        if len(stops) > 16:
-            raise ValueError("at most 16 stop sequences")
-        if any(s == "" for s in stops):
-            raise ValueError("stop sequences must be non-empty")
+        if (error := stop_error(stops)) is not None:
+            raise ValueError(error)
         return stops
 
     @field_validator("logit_bias")
@@ -204,7 +202,7 @@ class _OmitNone(BaseModel):
 
 
 class PromptTokensDetails(BaseModel):
-    cached_tokens: int = 0  # 0 until the prefix cache lands
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
 
 class CompletionTokensDetails(BaseModel):

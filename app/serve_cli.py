@@ -29,11 +29,18 @@ def add_parser(sub) -> None:
                    help="further model ids accepted in requests (repeatable); any other id is a 404")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where the target and drafters run (default: cuda when available, else cpu)")
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved at once (default 16)")
     p.add_argument("--max-queue", type=int, default=None, help="waiting requests before 429 (default 64)")
+    p.add_argument("--no-shared-forwards", dest="shared_forwards", action="store_false", default=None,
+                   help="one target forward per request and round instead of one for all active requests")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body accepted, larger ones get 413 before parsing (default 2 MiB)")
+    p.add_argument("--prefix-cache-mb", type=float, default=None,
+                   help="prefix cache memory in MiB, 0 = off (default 512): later turns of a conversation "
+                        "reuse the K/V of the earlier ones")
     p.add_argument("--cors-origins", nargs="*", default=None, help="allowed CORS origins ('*' for any)")
     p.add_argument("--speculation-method", default=None, choices=METHODS,
                    help="default method (default: the best one the loaded drafters allow)")
@@ -67,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     if settings.threads:
         torch.set_num_threads(settings.threads)
     engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=settings.threads,
-                         weights=settings.weights)
+                         weights=settings.weights, device=settings.device)
     app = create_app(engine, settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=5)

@@ -7,13 +7,15 @@ those failures are real HTTP errors. After that, a failure is an in-stream error
 from __future__ import annotations
 
 import asyncio
+import functools
+import hashlib
 import json
 import logging
 import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import Any
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -25,9 +27,10 @@ from whiflash_core.logits import LogitAdjustments
 from whiflash_core.sampling import SamplingParams
 
 from .errors import APIError, bad_request, context_length_exceeded, internal_error, model_not_found
-from .limits import check_nesting
 from .choices import ChoiceState, cancel_all, collect, merged, submit_all
 from .choices import stats as choice_stats, usage as choice_usage
+from .grammar_jobs import GrammarJobs
+from .limits import certainly_too_long, check_nesting, check_tools, longest_token_chars, text_chars
 from .logprobs import LogprobFormatter
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
@@ -55,6 +58,14 @@ class Prepared:
     parallel_tool_calls: bool
     logprobs: bool
     info: dict[str, Any]  # request facts for the event feed
+    grammar: GrammarJob | None = None  # compiled into each choice's constraint in `create`, in grammar_jobs
+
+
+@dataclass
+class GrammarJob:
+    """A grammar to compile for a request: the parameter it comes from, and how to compile it."""
+    param: str
+    compile: Callable[[], Any]
 
 
 class ChatServing:
@@ -65,8 +76,14 @@ class ChatServing:
         self.model_ids = set(model_ids or [model_name])  # the served name and its aliases
         self._grammars = None
         self.logprob_format = LogprobFormatter(engine.tokenizer)
+        self.grammar_jobs = GrammarJobs(settings.grammar_timeout, settings.grammar_queue)
 
     # -- validation and request building --------------------------------------------------------
+
+    @functools.cached_property
+    def token_chars(self) -> int | None:
+        """The most characters one token covers (for the early prompt-length check)."""
+        return longest_token_chars(self.engine.tokenizer)
 
     @property
     def grammars(self):
@@ -74,7 +91,7 @@ class ChatServing:
             from whiflash_core.constraints import GrammarFactory
 
             self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.vocab_size,
-                                            self.engine.eos_ids)
+                                            self.engine.eos_ids, self.settings.grammar_cache_bytes)
         return self._grammars
 
     def default_method(self) -> str:
@@ -90,7 +107,12 @@ class ChatServing:
         if req.unknown_fields:
             log.debug("ignoring unknown request fields %s", req.unknown_fields)
         # before anything walks the request recursively (templates, tool prompts, grammars)
-        check_nesting(req.model_dump(by_alias=True, exclude_none=True))
+        fields = req.model_dump(by_alias=True, exclude_none=True)
+        check_nesting(fields)
+        check_tools(req.tools)
+        chars = text_chars(fields["messages"]) + text_chars(fields.get("tools"))
+        if certainly_too_long(chars, self.engine.max_context, self.token_chars):
+            raise context_length_exceeded(f"at least {-(-chars // self.token_chars)}", self.engine.max_context)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
 
@@ -109,6 +131,7 @@ class ChatServing:
         prompt_tools = tools if choice != "none" else None
 
         spec = self._speculation(req)
+        grammar = self._constraint(req, tools, choice, named, parallel)  # its bounds, before tokenizing
         ids = self._encode([m.as_dict() for m in req.messages], prompt_tools)
         limit = self.engine.max_context
         if len(ids) + 1 >= limit:
@@ -119,20 +142,20 @@ class ChatServing:
 
         adjustments = self.adjustments(req)
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        # one generation per choice, each with its own grammar state and seed (seed + i: reproducible, distinct)
-        generations = [
-            GenerationRequest(ids, max_new, self.sampling(req, i), spec, adjustments=adjustments, logprobs=logprobs,
-                              constraint=self._constraint(req, tools, choice, named, parallel))
-            for i in range(req.n or 1)]
+        # one generation per choice, each with its own grammar state (compiled in `create`) and seed
+        # (seed + i: reproducible, distinct)
+        generations = [GenerationRequest(ids, max_new, self.sampling(req, i), spec, adjustments=adjustments,
+                                         logprobs=logprobs) for i in range(req.n or 1)]
         temperature = generations[0].sampling.temperature
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return Prepared(
-            id=request_id, created=int(time.time()), generations=generations,
+            id=request_id, created=int(time.time()), generations=generations, grammar=grammar,
             stream=bool(req.stream), include_usage=self.include_usage(req),
             stop=list(req.stop or []), parse_tools=choice != "none", parallel_tool_calls=parallel,
             logprobs=logprobs is not None,
             info={"temperature": temperature, "stream": bool(req.stream), "tools": len(tools),
-                  "tool_choice": choice if isinstance(choice, str) else "named", "user": req.user})
+                  # `user` is the client's own identifier of its end user: never published on the feed
+                  "tool_choice": choice if isinstance(choice, str) else "named"})
 
     # -- fields chat and legacy completions share (completions.py reuses these) --------------------
 
@@ -170,31 +193,32 @@ class ChatServing:
             raise bad_request(f"Speculation method {method!r} is not available: its drafters are not loaded. "
                               f"Available: {self.engine.methods}.", "speculation.method", "method_unavailable")
 
-        given = p.model_dump(exclude_none=True, exclude={"method", "policy"}) if p is not None else {}
+        given = p.model_dump(exclude_none=True, exclude={"method"}) if p is not None else {}
         return replace(self.settings.speculation(method), **given)
 
-    def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None, parallel: bool):
-        """The grammar for this request, if any:
+    def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None,
+                    parallel: bool) -> GrammarJob | None:
+        """What to compile for this request, if anything. The schemas' bounds are checked here; the
+        compilation itself runs later, in `grammar_jobs`:
         required / named tool_choice   a call is forced (a structured answer can only come in a later turn)
         auto with tools                free text, and a call once the model opens one (lazy grammar);
                                        with response_format: tool calls or the structured answer
         response_format alone          the JSON answer
         """
         schema, strict = self._answer_schema(req.response_format)
-        param = "tools"  # what a grammar that fails to compile is blamed on
-        try:
-            if choice == "required" or named is not None:
-                chosen = [t for t in tools if named is None or t["function"]["name"] == named]
-                return self.grammars.tool_calls(chosen, parallel and named is None)
-            if tools and choice == "auto" and self.settings.lazy_tool_grammar:
-                if schema is not None:
-                    return self.grammars.tool_calls_or_json(tools, parallel, schema)
-                return self.grammars.lazy_tool_calls(tools, parallel)
+        if schema is not None:
+            self._check_schema(schema, "response_format")
+        if choice == "required" or named is not None:
+            chosen = [t for t in tools if named is None or t["function"]["name"] == named]
+            self._check_tool_schemas(chosen)
+            return GrammarJob("tools", lambda: self.grammars.tool_calls(chosen, parallel and named is None))
+        if tools and choice == "auto" and self.settings.lazy_tool_grammar:
+            self._check_tool_schemas(tools)
             if schema is not None:
-                param = "response_format"
-                return self.grammars.json_schema(schema, strict=strict)
-        except Exception as exc:  # xgrammar rejects a schema
-            raise bad_request(f"Could not compile a grammar for the {param}: {exc}", param, "invalid_schema") from exc
+                return GrammarJob("tools", lambda: self.grammars.tool_calls_or_json(tools, parallel, schema))
+            return GrammarJob("tools", lambda: self.grammars.lazy_tool_calls(tools, parallel))
+        if schema is not None:
+            return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict))
         return None
 
     @staticmethod
@@ -210,11 +234,38 @@ class ChatServing:
             raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
         return schema, spec.strict is not False if spec else True
 
+    def _check_tool_schemas(self, tools: list[dict]) -> None:
+        for i, tool in enumerate(tools):
+            self._check_schema(tool["function"].get("parameters") or {}, f"tools[{i}].function.parameters")
+
+    @staticmethod
+    def _check_schema(schema, param: str) -> None:
+        from whiflash_core.constraints import SchemaTooComplex, check_schema
+
+        try:
+            check_schema(schema)
+        except SchemaTooComplex as exc:
+            raise bad_request(f"`{param}` is too complex to compile: {exc}.", param, "schema_too_complex") from None
+
+    def _compile(self, job: GrammarJob):
+        """Runs in a grammar_jobs thread."""
+        try:
+            return job.compile()
+        except Exception as exc:  # xgrammar rejects the schema
+            raise bad_request(f"Could not compile a grammar for the {job.param}: {exc}", job.param,
+                              "invalid_schema") from exc
+
     # -- entry point ----------------------------------------------------------------------------
 
     async def create(self, req: ChatCompletionRequest, http: Request):
         self.check_model(req)
         prepared = await asyncio.to_thread(self.prepare, req)
+        namespace = self.tenant(http)
+        for gen in prepared.generations:
+            gen.cache_namespace = namespace
+            if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
+                job = prepared.grammar
+                gen.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
         handles = submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info)
         if prepared.stream:
             return EventSourceResponse(self._stream(prepared, handles), sep="\n", ping=SSE_PING_SECONDS)
@@ -222,6 +273,13 @@ class ChatServing:
             return await self._complete(prepared, handles, http)
         finally:
             cancel_all(handles)  # stops the engine if we leave early
+
+    def tenant(self, http: Request) -> str:
+        """The prefix-cache namespace of a request: its API key (hashed), when keys are required, so
+        one tenant cannot probe another's prompts through cache timing."""
+        if self.settings.api_key is None:
+            return ""
+        return hashlib.sha256(http.headers.get("authorization", "").encode()).hexdigest()
 
     # -- non-streaming ----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from whiflash_core.config import SpeculationConfig, speculation_field
+from whiflash_core.constraints import GRAMMAR_CACHE_BYTES
 from whiflash_core.quant import WeightFormat
 from whiflash_core.router import Method
 
@@ -23,6 +24,7 @@ class Settings(BaseSettings):
         "auto", description="auto: timed on this CPU per phase (whiflash info); int4: the GGUF's Q4_1 "
                             "blocks; int8: per-row int8 linears; dense: the dtype's own weights")
     threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    device: Literal["cpu", "cuda"] | None = Field(None, description="cuda or cpu (default: cuda when available)")
     served_model_name: str | None = None
     model_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="further names accepted as `model` (others: 404 model_not_found)")
@@ -33,9 +35,19 @@ class Settings(BaseSettings):
     # scheduling
     max_active: int = Field(16, ge=1, description="generations stepped round-robin at once")
     max_queue: int = Field(64, ge=0, description="requests waiting for a slot before 429s")
+    shared_forwards: bool = Field(True, description="step the active requests' rounds together, their verify "
+                                                    "rows in one target forward (off: one forward each)")
     request_timeout: float = Field(600.0, gt=0, description="seconds from arrival to the last token")
+    prefix_cache_mb: float = Field(
+        512, ge=0, description="memory for the K/V of earlier requests' prefixes, reused by later requests "
+                               "that start the same way (agent loops); 0 turns the prefix cache off")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1,
                                    description="largest request body accepted (larger: 413, before parsing)")
+
+    # grammars (tool_choice required / named, response_format): compiled in their own pool
+    grammar_timeout: float = Field(10.0, gt=0, description="seconds a request waits for its grammar (then a 400)")
+    grammar_queue: int = Field(4, ge=1, description="grammars compiling or waiting at once (beyond: 429)")
+    grammar_cache_bytes: int = Field(GRAMMAR_CACHE_BYTES, ge=0, description="xgrammar's compiled-grammar cache")
 
     # request defaults
     default_max_tokens: int | None = Field(None, ge=1, description="None: up to the context length")

@@ -21,10 +21,12 @@ The stream's events (JSON in `data:` lines, each with a "type"):
     request_started, round, tokens, request_finished: the EventBus events as published (app/events.py)
 
 Access: the stream carries generated text, so it is served only to clients allowed by the API's
-key. EventSource cannot set headers, so the key is also accepted as `?key=` or as the
-`whiflash_key` cookie the pages set once the user enters it. With no key configured, only loopback
+key. EventSource cannot set headers, so the key is also accepted as the `whiflash_key` cookie
+the pages set once the user enters it (never as `?key=`: URLs end up in access logs). With no key configured, only loopback
 clients that address the server by a loopback name are served (the Host check stops a DNS-rebinding
-page from reading it). Cross-origin access follows the app's CORS settings (off by default).
+page from reading it). Cross-origin access follows the app's CORS settings (off by default), and
+the stream is refused altogether while CORS allows any origin. The client's `user` field is
+never published.
 """
 from __future__ import annotations
 
@@ -260,15 +262,19 @@ def stats_access(settings: Settings):
     api_key = settings.api_key
 
     async def check(request: Request) -> None:
+        if "*" in settings.cors_origins:
+            # any web page could then read the feed from a visitor's browser (with its cookie)
+            raise APIError("The stats stream is disabled while CORS allows any origin ('*').", 403,
+                           "permission_error", None, "cors_any_origin")
         if api_key is None:
             client = request.client.host if request.client else None
             if _is_loopback(client) and _host_name(request).lower() in LOOPBACK_HOSTS:
                 return
             raise APIError("The stats stream is served to loopback clients only when the server has no API key.",
                            403, "permission_error", None, "loopback_only")
+        # not from the query string: a `?key=` URL lands in access logs, proxies and browser history
         scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-        offered = [request.query_params.get("key"), request.cookies.get(KEY_COOKIE),
-                   bearer.strip() if scheme.lower() == "bearer" else None]
+        offered = [request.cookies.get(KEY_COOKIE), bearer.strip() if scheme.lower() == "bearer" else None]
         if any(k and secrets.compare_digest(k.encode(), api_key.encode()) for k in offered):
             return
         raise APIError("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")

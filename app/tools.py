@@ -1,9 +1,10 @@
 """Hermes tool calls in model output: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
 
-Streaming uses the re-parse-and-diff design (vLLM's recent Hermes parser): every round the whole
-accumulated text is parsed again and only what was not sent yet goes out. No state is kept but
-"what has been sent", so it does not matter where token or round boundaries fall, which is what
-makes it safe under speculative decoding, where one round can carry many tokens.
+Streaming uses the parse-and-diff design (vLLM's recent Hermes parser): every round the
+accumulated text is parsed and only what was not sent yet goes out, so it does not matter where
+token or round boundaries fall, which is what makes it safe under speculative decoding, where one
+round can carry many tokens. The scan of each call's JSON resumes where the last round's stopped
+(`_ObjectFields`), so a long call costs time linear in its length, not quadratic.
 
 The arguments are streamed as the raw text slice of the model's `"arguments"` value, found by
 brace matching that ignores braces inside strings. A partial slice is always a prefix of the
@@ -41,50 +42,57 @@ def _skip_ws(s: str, i: int) -> int:
     return i
 
 
-def _string_end(s: str, i: int) -> int | None:
-    """s[i] == '"'; index just past the closing quote, or None if the string is incomplete."""
-    i += 1
-    while i < len(s):
-        c = s[i]
-        if c == "\\":
-            i += 2
-            continue
-        if c == '"':
-            return i + 1
-        i += 1
-    return None
+class _ValueScan:
+    """Finds the end of the JSON value starting at text[start] while the text grows: `run()`
+    resumes where the last call ran out of text, so a value streamed in n pieces costs O(its
+    length) in all, not O(length x pieces). Brackets inside strings are skipped."""
 
+    def __init__(self, start: int):
+        self.start = self.i = start
+        self.depth = 0
+        self.in_string = False
 
-def _value_end(s: str, i: int) -> int | None:
-    """Index just past the JSON value starting at s[i], or None if it is incomplete."""
-    if i >= len(s):
-        return None
-    c = s[i]
-    if c == '"':
-        return _string_end(s, i)
-    if c in "{[":
-        depth = 0
-        while i < len(s):
+    def run(self, s: str) -> int | None:
+        """Index just past the value in `s` (which extends the text of earlier calls), or None if
+        the value is still incomplete."""
+        i, depth, in_string, n = self.i, self.depth, self.in_string, len(s)
+        if s[self.start] not in '"{[':
+            # number / true / false / null: ends at a delimiter (incomplete if the text ends first)
+            while i < n and s[i] not in ",}] \t\r\n":
+                i += 1
+            self.i = i
+            return i if i < n else None
+        end = None
+        while i < n:
             c = s[i]
-            if c == '"':
-                end = _string_end(s, i)
-                if end is None:
-                    return None
-                i = end
-                continue
-            if c in "{[":
+            if in_string:
+                if c == "\\":
+                    if i + 1 >= n:
+                        break  # the escaped character has not arrived: look at the backslash again
+                    i += 2
+                    continue
+                if c == '"':
+                    in_string = False
+                    if depth == 0:
+                        end = i + 1
+                        break
+            elif c == '"':
+                in_string = True
+            elif c in "{[":
                 depth += 1
             elif c in "}]":
                 depth -= 1
                 if depth == 0:
-                    return i + 1
+                    end = i + 1
+                    break
             i += 1
-        return None
-    # number / true / false / null: ends at a delimiter (incomplete if the text ends first)
-    j = i
-    while j < len(s) and s[j] not in ",}] \t\r\n":
-        j += 1
-    return j if j < len(s) else None
+        self.i, self.depth, self.in_string = (end if end is not None else i), depth, in_string
+        return end
+
+
+def _string_end(s: str, i: int) -> int | None:
+    """s[i] == '"'; index just past the closing quote, or None if the string is incomplete."""
+    return _ValueScan(i).run(s)
 
 
 @dataclass
@@ -93,38 +101,67 @@ class _Field:
     end: int | None  # None: the value is still being generated
 
 
+class _ObjectFields:
+    """The top-level keys of a growing JSON object text, with the spans of their values as far as
+    they go. `update(body)` resumes where the previous call stopped, so a body streamed in many
+    pieces is scanned once; a body that got shorter (the closing tag replaced a partial one) is
+    scanned again from the start."""
+
+    def __init__(self):
+        self.fields: dict[str, _Field] = {}
+        self._i = 0                       # where the next token (or the scan in progress) resumes
+        self._expect = "{"                # "{", "key", ":", "value", ",": what comes next
+        self._key: str | None = None
+        self._scan: _ValueScan | None = None  # the key or value being read
+        self._done = False                # the object ended or is malformed: nothing more to find
+        self._length = 0
+
+    def update(self, body: str) -> dict[str, _Field]:
+        if len(body) < self._length:
+            self.__init__()
+        self._length = len(body)
+        while not self._done:
+            if self._scan is None:
+                i = _skip_ws(body, self._i)
+                if i >= len(body):
+                    self._i = i
+                    break
+                self._i = i
+                if self._expect in ("key", "value"):
+                    if self._expect == "key" and body[i] != '"':
+                        self._done = True
+                        break
+                    self._scan = _ValueScan(i)
+                    if self._expect == "value":
+                        self.fields[self._key] = _Field(i, None)
+                    continue
+                expected = self._expect
+                if body[i] != expected:
+                    self._done = True
+                    break
+                self._i = i + 1
+                self._expect = "key" if expected in "{," else "value"
+                continue
+            end = self._scan.run(body)
+            if end is None:
+                break
+            if self._expect == "key":
+                try:
+                    self._key = json.loads(body[self._scan.start:end])
+                except json.JSONDecodeError:
+                    self._done = True
+                    break
+                self._expect = ":"
+            else:
+                self.fields[self._key].end = end
+                self._expect = ","
+            self._scan, self._i = None, end
+        return self.fields
+
+
 def _top_level_fields(body: str) -> dict[str, _Field]:
     """Keys of the JSON object in `body` with the spans of their values, as far as they go."""
-    fields: dict[str, _Field] = {}
-    i = _skip_ws(body, 0)
-    if i >= len(body) or body[i] != "{":
-        return fields
-    i += 1
-    while True:
-        i = _skip_ws(body, i)
-        if i >= len(body) or body[i] != '"':
-            return fields
-        key_end = _string_end(body, i)
-        if key_end is None:
-            return fields
-        try:
-            key = json.loads(body[i:key_end])
-        except json.JSONDecodeError:
-            return fields
-        i = _skip_ws(body, key_end)
-        if i >= len(body) or body[i] != ":":
-            return fields
-        i = _skip_ws(body, i + 1)
-        if i >= len(body):
-            return fields
-        end = _value_end(body, i)
-        fields[key] = _Field(i, end)
-        if end is None:
-            return fields
-        i = _skip_ws(body, end)
-        if i >= len(body) or body[i] != ",":
-            return fields
-        i += 1
+    return _ObjectFields().update(body)
 
 
 # --- regions -----------------------------------------------------------------------------------
@@ -230,6 +267,7 @@ class StreamingToolParser:
         self.parallel = parallel
         self.content_sent = 0
         self.calls: list[_SentCall] = []
+        self._fields: list[_ObjectFields] = []  # per region, resumed every round (linear in the output)
 
     def update(self, text: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
         start = text.find(TOOL_CALL_OPEN)
@@ -251,7 +289,9 @@ class StreamingToolParser:
         for index, (body, closed) in enumerate(_regions(text)):
             if index > 0 and not self.parallel:
                 break
-            fields = _top_level_fields(body)
+            if index >= len(self._fields):
+                self._fields.append(_ObjectFields())
+            fields = self._fields[index].update(body)
             complete = closed or final
             if index >= len(self.calls):
                 name = _name(body, fields)

@@ -97,6 +97,20 @@ def test_acceptance_length_counts_a_stop_token_from_a_round():
     assert s.acceptance_length == 1.0 and s.decode_tps == pytest.approx(4 / 0.5)
 
 
+def test_round_share_per_drafter_over_the_prompts_of_a_method():
+    from whiflash_core.bench.report import round_share
+    from whiflash_core.bench.runners import drafter_rounds
+
+    stats = {"rounds": 10, "drafters": {"eagle3": {"rounds": 6}, "ngram": {"rounds": 3}, "dflash": {"rounds": 0}}}
+    assert drafter_rounds(stats) == {"eagle3": 6, "ngram": 3, "dflash": 0, "plain": 1}
+    a = run("whiflash", range(11), 1.0, 1.0, rounds=10, drafter_rounds=drafter_rounds(stats))
+    b = run("whiflash", range(11), 1.0, 1.0, rounds=10, drafter_rounds={"eagle3": 10, "plain": 0})
+    recs = [PromptRecord("a", "c", 3, {"whiflash": a}), PromptRecord("b", "c", 3, {"whiflash": b})]
+    (s, _all) = summarize(recs, ["whiflash"], ["c"])
+    assert s.round_share == pytest.approx({"eagle3": 0.8, "ngram": 0.15, "plain": 0.05})
+    assert round_share(s.round_share) == "eagle3 80%, ngram 15%, plain 5%"
+
+
 def test_summary_without_rounds_or_decode_time():
     rec = PromptRecord("x", "c", None, {"none": run("none", [1, 2, 3], 1.0, None)})
     (s, _all) = summarize([rec], ["none"], ["c"])
@@ -257,6 +271,7 @@ def test_bench_command_smoke_float32(tmp_path, capsys):
     assert rows[("all", "none")]["ratio_decode"] == 1.0
     assert all(rows[(c, "none")]["acceptance_length"] == 1.0 for c in ("qa", "agentic", "all"))
     assert set(rows[("all", "whiflash")]["ms_per_round"]) == {"draft", "verify", "catch_up", "router"}
+    assert sum(rows[("all", "whiflash")]["round_share"].values()) == pytest.approx(1.0)
     for p in results["prompts"]:
         assert len({tuple(r["tokens"]) for r in p["runs"].values()}) == 1
     assert png.stat().st_size > 10_000

@@ -65,6 +65,6 @@ def test_sweep_runs_the_engine_and_alpha_shifts_rounds_between_drafters():
     engine.calibration = RouterCalibration(threshold_al=0.0, threshold_tps=100.0)
     rounds = {}
     for alpha in (0.0, 1.0):
-        gen = engine.generate(GenerationRequest(prompts[0].ids, 30, speculation=SpeculationConfig(alpha=alpha)))
+        gen = engine.generate(GenerationRequest(prompts[0].ids, 30, speculation=SpeculationConfig(policy="entropy", alpha=alpha)))
         rounds[alpha] = {k: v["rounds"] for k, v in gen.stats()["drafters"].items()}
     assert rounds[0.0]["dflash"] == 0 and rounds[1.0]["eagle3"] == 0

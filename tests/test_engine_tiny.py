@@ -64,7 +64,7 @@ def run(eng: Engine, request: GenerationRequest, eager: bool = False):
 
 def median_entropy(eng: Engine, prompt: list[int], n: int) -> float:
     """A router threshold at the median entropy of this prompt, so the router switches often."""
-    _, rounds = run(eng, GenerationRequest(prompt, n, speculation=SpeculationConfig(method="whiflash")))
+    _, rounds = run(eng, GenerationRequest(prompt, n, speculation=SpeculationConfig(method="whiflash", policy="entropy")))
     return float(torch.tensor([r.entropy for r in rounds if r.entropy is not None]).median())
 
 
@@ -80,14 +80,16 @@ def test_every_method_equals_plain_decode_float64(prompt, eager):
     plain = eng.generate(GenerationRequest(prompt, 80, speculation=SpeculationConfig(method="none"))).output
     assert len(plain) == 80
     threshold = median_entropy(eng, prompt, 80)
-    specs = [SpeculationConfig(method=m, entropy_threshold=threshold) for m in METHODS[1:]]
-    specs.append(SpeculationConfig(method="whiflash", entropy_threshold=threshold, prompt_lookup=False))
+    specs = [SpeculationConfig(method=m, policy="entropy", entropy_threshold=threshold) for m in METHODS[1:]]
+    specs.append(SpeculationConfig(method="whiflash", policy="entropy", entropy_threshold=threshold,
+                                   prompt_lookup=False))
+    specs += [SpeculationConfig(method="whiflash", policy="cost", alpha=alpha) for alpha in (0.0, 1.0)]
     for spec in specs:
         gen, _ = run(eng, GenerationRequest(prompt, 80, speculation=spec), eager)
         assert gen.output == plain, spec
         stats = gen.stats()
         assert stats["rounds"] == gen.rounds and stats["rounds"] >= 1
-        if spec.method == "whiflash":
+        if spec.method == "whiflash" and spec.policy == "entropy":
             used = {n for n, d in stats["drafters"].items() if d["rounds"]}
             assert {"eagle3", "dflash"} <= used <= {"eagle3", "dflash", "ngram"}, stats
             assert ("ngram" in stats["drafters"]) == spec.prompt_lookup
@@ -100,7 +102,7 @@ def test_lazy_catch_up_matches_eager_catch_up_round_by_round():
     runs = {}
     threshold = median_entropy(eng, PROMPTS[2], 80)
     for eager in (False, True):
-        spec = SpeculationConfig(method="whiflash", entropy_threshold=threshold)
+        spec = SpeculationConfig(method="whiflash", policy="entropy", entropy_threshold=threshold)
         gen, rounds = run(eng, GenerationRequest(PROMPTS[2], 80, speculation=spec), eager)
         runs[eager] = (gen.output, [(r.drafter, r.accepted) for r in rounds], gen.stats())
     assert runs[False][0] == runs[True][0]

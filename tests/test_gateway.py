@@ -11,6 +11,7 @@ import asyncio
 import json
 import re
 import time
+import uuid
 
 import httpx
 import openai
@@ -345,6 +346,7 @@ BAD_REQUESTS = [
     pytest.param({"speculation": {"alpha": 1.5}}, "speculation.alpha", id="alpha-out-of-range"),
     pytest.param({"speculation": {"num_draft_tokens": 0}}, "speculation.num_draft_tokens", id="zero-draft-tokens"),
     pytest.param({"speculation": {"method": "medusa"}}, "speculation.method", id="unknown-method"),
+    pytest.param({"speculation": {"policy": "learned"}}, "speculation.policy", id="unknown-policy"),
     pytest.param({"speculation": {"trace": "yes"}}, "speculation.trace", id="trace-not-bool"),
     pytest.param({"tool_choice": "required"}, "tool_choice", id="tool-choice-without-tools"),
     pytest.param({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
@@ -495,3 +497,30 @@ def test_openai_agents_sdk_tool_loop(live_server):
     kinds = [type(item).__name__ for item in result.new_items]
     assert kinds == ["ToolCallItem", "ToolCallOutputItem"], kinds
     assert result.final_output == "It is sunny and 22 degrees Celsius in Paris."
+
+
+# --- prefix cache ----------------------------------------------------------------------------------
+
+
+def test_agent_turns_reuse_the_prefix_and_answer_the_same(live_server, client):
+    """Turn 2 of a conversation reuses turn 1's K/V (usage.prompt_tokens_details.cached_tokens), and
+    a request answered from cached K/V equals the same request answered with nothing cached."""
+    system = f"You are a terse assistant. Session {uuid.uuid4().hex}."   # unseen by the cache
+    turn1 = [{"role": "system", "content": system}, *WEATHER_Q]
+    first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=48, temperature=0,
+                                           tools=TOOLS, tool_choice="required")
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    call = first.choices[0].message.tool_calls[0]
+    turn2 = turn1 + [first.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature_c": 18, "sky": "clear"}'}]
+    second = greedy(client, turn2, max_tokens=12, tools=TOOLS)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < second.usage.prompt_tokens and cached >= first.usage.prompt_tokens - 32 - 1
+    again = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=48, temperature=0,
+                                           tools=TOOLS, tool_choice="required")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert again.choices[0].message.tool_calls[0].function == call.function
+    text = httpx.get(live_server.url + "/metrics").text
+    hits = re.search(r'whiflash:prefix_cache_hits_total\{model_name="[^"]+"\} (\S+)', text)
+    assert hits and float(hits.group(1)) >= cached
+    assert re.search(r'whiflash:prefix_cache_bytes\{model_name="[^"]+"\} [1-9]', text)

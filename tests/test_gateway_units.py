@@ -165,6 +165,7 @@ class ReplayGeneration:
         self.tally = Tally.over(["dflash"])
         self.rounds = 0
         self.finished, self.finish_reason = False, None
+        self.cached_tokens = 0
 
     def _emit(self, n: int) -> None:
         take = self.script[len(self.output):len(self.output) + n][: self.request.max_new_tokens - len(self.output)]
@@ -214,6 +215,16 @@ class FakeEngine:
 
     def start(self, request):
         return ReplayGeneration(self, request)
+
+    def step_many(self, gens):
+        """As Engine.step_many: a round each, one request's exception in its place."""
+        results = []
+        for gen in gens:
+            try:
+                results.append(gen.step())
+            except Exception as exc:
+                results.append(exc)
+        return results
 
 
 TOOL_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
@@ -293,6 +304,23 @@ def test_unavailable_method_and_context_length():
         assert info.value.response.json()["error"]["code"] == "context_length_exceeded"
         r = client.chat.completions.create(model=MODEL, messages=HI)
         assert r.model_extra["speculation"]["method"] == "dflash"  # the default: best available
+
+
+def test_speculation_policy_is_validated_and_reaches_the_engine():
+    engine = FakeEngine("ok")
+    started = []
+    engine.start = lambda request: started.append(request.speculation) or ReplayGeneration(engine, request)
+    app, tc = in_process(engine)
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        for bad in ("learned", "", 1):
+            with pytest.raises(openai.BadRequestError) as info:
+                client.chat.completions.create(model=MODEL, messages=HI, extra_body={"speculation": {"policy": bad}})
+            assert info.value.response.json()["error"]["param"] == "speculation.policy", bad
+        for policy in ("entropy", "cost"):
+            client.chat.completions.create(model=MODEL, messages=HI, extra_body={"speculation": {"policy": policy}})
+        client.chat.completions.create(model=MODEL, messages=HI)
+    assert [s.policy for s in started] == ["entropy", "cost", "cost"]   # the default: cost
 
 
 def test_full_server_answers_429_then_recovers():

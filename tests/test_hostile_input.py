@@ -4,9 +4,11 @@ normal request."""
 from __future__ import annotations
 
 import json
+import time
 
 import torch
 
+from app.main import create_app
 from app.settings import Settings
 from test_gateway_units import HI, FakeEngine, in_process
 from whiflash_core.drafters.base import DraftSampling, pick_tokens
@@ -216,3 +218,450 @@ def test_chunked_body_is_cut_off_at_the_limit_before_the_app_runs():
     assert not called and len(received) == 11  # stopped at the first chunk past the limit
     assert sent[0]["status"] == 413
     assert json.loads(sent[1]["body"])["error"]["code"] == "request_too_large"
+
+
+# --- linear-time streaming -----------------------------------------------------------------------
+
+
+def brute_force_stop(text: str, stops: list[str]) -> tuple[str, bool, int]:
+    """(text cut at the earliest stop string, stopped, held-back length): the definition."""
+    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+    if hits:
+        return text[: min(hits)], True, 0
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text, False, hold
+
+
+def test_stop_matching_equals_the_definition_under_any_chunking():
+    import random
+
+    from app.output import TextAccumulator
+    from test_gateway_units import CharTokenizer
+
+    rng = random.Random(18)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 40)))
+        acc = TextAccumulator(CharTokenizer(), stops)
+        pos = 0
+        while pos < len(text) and not acc.stopped:
+            n = rng.randint(1, 5)
+            acc.add([ord(c) for c in text[pos:pos + n]])
+            pos += n
+            if not acc.stopped:
+                cut, _, hold = brute_force_stop(acc.text, stops)
+                assert acc.visible() == acc.text[: len(acc.text) - hold], (stops, text)
+        acc.finish()
+        # token by token, the cut is at the earliest stop completed by the first token completing any
+        expected, stopped, _ = brute_force_stop(text[:acc.num_tokens], stops)
+        assert (acc.text, acc.stopped) == (expected, stopped), (stops, text)
+
+
+def test_stop_hold_back_is_linear_in_the_output():
+    import time
+
+    from app.limits import MAX_STOP_CHARS, MAX_STOPS
+    from app.output import TextAccumulator
+    from test_gateway_units import CharTokenizer
+
+    # the worst case of a suffix-by-suffix check: every prefix length has to be tried
+    stops = [("ab" * MAX_STOP_CHARS)[: MAX_STOP_CHARS - 1] + chr(ord("c") + i) for i in range(MAX_STOPS)]
+    acc = TextAccumulator(CharTokenizer(), stops)
+    t0 = time.process_time()
+    for _ in range(5000):
+        acc.add([ord("a")])
+        assert acc.visible() == acc.text[:-1]  # "a" may begin every stop string
+    assert time.process_time() - t0 < 2.0  # was minutes: each round re-checked every prefix
+
+
+def test_streamed_tool_call_parsing_is_linear_in_the_output():
+    import time
+
+    from app.tools import StreamingToolParser, parse_tool_calls
+
+    args = json.dumps({"items": [{"k": i, "s": "x}" * 3} for i in range(1200)]})  # ~30 KB
+    text = '<tool_call>\n{"name": "f", "arguments": ' + args + "}\n</tool_call>"
+    parser = StreamingToolParser()
+    streamed = ""
+    t0 = time.process_time()
+    for cut in range(3, len(text) + 3, 3):
+        _, deltas = parser.update(text[:cut], final=cut >= len(text))
+        streamed += "".join(d.function.arguments or "" for d in deltas)
+    assert time.process_time() - t0 < 2.0  # was 11.6 s: every round re-scanned the whole call
+    assert streamed == args == parse_tool_calls(text)[1][0].arguments
+
+
+class CountingTokenizer:
+    """A character tokenizer that knows its vocabulary and counts how often it is asked to encode."""
+
+    def __new__(cls):
+        from test_gateway_units import CharTokenizer
+
+        class Tok(CharTokenizer):
+            calls = 0
+
+            def get_vocab(self):
+                return {chr(i): i for i in range(32, 127)}
+
+            def __call__(self, text, add_special_tokens=False):
+                Tok.calls += 1
+                return super().__call__(text, add_special_tokens)
+        return Tok()
+
+
+def test_stop_strings_tools_and_prompt_length_are_bounded():
+    from app.limits import MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS
+
+    engine = FakeEngine("ok")
+    engine.tokenizer = CountingTokenizer()
+    engine.max_context = 20_000  # room for the prompt of 128 tools
+    app, tc = in_process(engine)
+    post = lambda **body: tc.post("/v1/chat/completions", json={"messages": HI, **body})
+    with tc:
+        error = assert_openai_error(post(stop=["x" * (MAX_STOP_CHARS + 1)]), 400)
+        assert error["param"] == "stop" and str(MAX_STOP_CHARS) in error["message"]
+        error = assert_openai_error(post(stop=[f"s{i}" for i in range(MAX_STOPS + 1)]), 400)
+        assert error["param"] == "stop" and str(MAX_STOPS) in error["message"]
+        assert post(stop=["x" * MAX_STOP_CHARS] * MAX_STOPS).status_code == 200
+        many = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(MAX_TOOLS + 1)]
+        error = assert_openai_error(post(tools=many), 400, "too_many_tools")
+        assert error["param"] == "tools" and str(MAX_TOOLS) in error["message"]
+        assert post(tools=many[:MAX_TOOLS]).status_code == 200
+        # longer than the context in characters: refused without tokenizing it
+        before = engine.tokenizer.calls
+        huge = [{"role": "user", "content": "x" * (engine.max_context + 1)}]
+        error = assert_openai_error(tc.post("/v1/chat/completions", json={"messages": huge}), 400,
+                                    "context_length_exceeded")
+        assert "maximum context length is 20000 tokens" in error["message"]
+        assert engine.tokenizer.calls == before
+        # a prompt that might fit is tokenized and checked exactly
+        fits = [{"role": "user", "content": "x" * (engine.max_context - 100)}]
+        assert tc.post("/v1/chat/completions", json={"messages": fits}).status_code == 200
+        assert engine.tokenizer.calls > before
+        assert_still_serving(tc)
+
+
+# --- cancellation: a real server, real disconnects -----------------------------------------------
+
+
+class served:
+    """The app under uvicorn on a free port, in a thread (real sockets, so clients can really leave)."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        from conftest import free_port
+
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+
+    def __enter__(self) -> str:
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.02)
+        return f"http://127.0.0.1:{self.port}"
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(20)
+
+
+def wait_until(condition, seconds: float) -> float:
+    """Seconds until `condition()` held (fails after `seconds`)."""
+    import time
+
+    t0 = time.monotonic()
+    while not condition():
+        assert time.monotonic() - t0 < seconds, "condition not reached in time"
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
+def leave_after(url: str, seconds: float, body: dict) -> None:
+    """A client that sends `body` and hangs up after `seconds` without reading an answer."""
+    import httpx
+
+    try:
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=seconds)
+    except httpx.TimeoutException:
+        return
+    raise AssertionError("the request finished before its client left")
+
+
+def test_non_streaming_client_that_leaves_is_noticed_while_tokens_flow():
+    import httpx
+
+    # a token every 10 ms for 30 s: the old 1 s "no tokens" check never fired
+    engine = FakeEngine("x" * 3000, chunk=1, delay=0.01)
+    app = create_app(engine, Settings())
+    scheduler = app.state.scheduler
+    with served(app) as url:
+        leave_after(url, 0.5, {"messages": HI})
+        noticed = wait_until(lambda: scheduler.num_running == 0, 5.0)
+        assert noticed < 1.0
+        metrics = httpx.get(url + "/metrics").text
+        assert 'whiflash:request_success_total{finished_reason="abort",model_name="fake-model"} 1.0' in metrics
+        engine.reply, engine.delay = "ok", 0.0
+        assert httpx.post(url + "/v1/chat/completions", json={"messages": HI}).json()["choices"][0]["message"][
+            "content"] == "ok"
+
+
+def test_queued_request_whose_client_left_frees_its_place_at_once():
+    import threading
+
+    import httpx
+
+    engine = FakeEngine("x" * 3000, chunk=1, delay=0.01)
+    app = create_app(engine, Settings(max_active=1, max_queue=1))
+    scheduler = app.state.scheduler
+    with served(app) as url:
+        running = threading.Thread(target=leave_after, args=(url, 4.0, {"messages": HI}))
+        running.start()
+        wait_until(lambda: scheduler.num_running == 1, 5.0)
+        for stream in (False, True):  # queued behind it, then gone
+            leave_after(url, 0.3, {"messages": HI, "stream": stream})
+            wait_until(lambda: scheduler.num_waiting == 0, 1.0)
+            assert scheduler.num_running == 1
+        # its place is free: another request queues instead of getting a 429
+        status = {}
+        waiter = threading.Thread(target=lambda: status.setdefault("code", httpx.post(
+            url + "/v1/chat/completions", json={"messages": HI, "max_tokens": 2}, timeout=30).status_code))
+        waiter.start()
+        wait_until(lambda: scheduler.num_waiting == 1, 2.0)
+        running.join()
+        waiter.join(30)
+        assert status["code"] == 200
+
+
+# --- fault isolation -----------------------------------------------------------------------------
+
+
+def test_dead_engine_worker_fails_open_requests_with_503_and_turns_unhealthy():
+    import threading
+
+    engine = FakeEngine("x" * 400, chunk=1, delay=0.01)
+    app, tc = in_process(engine, max_active=1)
+    scheduler = app.state.scheduler
+    with tc:
+        answers = {}
+
+        def ask(name):
+            answers[name] = tc.post("/v1/chat/completions", json={"messages": HI})
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ("running", "queued")]
+        for t in threads:
+            t.start()
+            time.sleep(0.1)
+        wait_until(lambda: scheduler.num_running == 1 and scheduler.num_waiting == 1, 5.0)
+
+        def broken(slot):  # a fault in the worker's own code, outside any one request's round
+            raise RuntimeError("worker bug")
+
+        scheduler._deliver = broken
+        for t in threads:
+            t.join(10)
+            assert not t.is_alive(), "an open request hung after the worker died"
+        for name in ("running", "queued"):
+            assert_openai_error(answers[name], 503, "engine_unavailable")
+        assert tc.get("/health").status_code == 503
+        assert_openai_error(tc.post("/v1/chat/completions", json={"messages": HI}), 503, "engine_unavailable")
+        assert 'reason="engine_failure"' in tc.get("/metrics").text
+
+
+def test_a_drafter_that_raises_falls_back_to_plain_decoding_for_that_request():
+    import asyncio
+
+    import pytest
+
+    from app.metrics import Metrics
+    from app.scheduler import Finished, Scheduler, TokenBatch
+    from tiny import tiny_dflash, tiny_eagle, tiny_target
+    from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
+
+    target = tiny_target()
+    eagle = tiny_eagle(target)
+    engine = Engine(target, None, {"eagle3": eagle, "dflash": tiny_dflash(target)})
+    prompt = [5, 9, 17, 3, 22, 41, 8]
+    plain = engine.generate(GenerationRequest(prompt, 40, speculation=SpeculationConfig(method="none"))).output
+
+    calls = {"n": 0}
+    propose = eagle.propose
+
+    def flaky(*args, **kw):  # fails on its third proposal, on this instance only
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("drafter bug")
+        return propose(*args, **kw)
+
+    eagle.propose = flaky
+    metrics = Metrics("tiny")
+
+    async def serve(requests):
+        scheduler = Scheduler(engine, metrics)
+        scheduler.start()
+        try:
+            outputs = []
+            for i, spec in enumerate(requests):
+                handle = scheduler.submit(GenerationRequest(prompt, 40, speculation=spec), f"r{i}")
+                tokens, finished = [], None
+                async for item in handle:
+                    if isinstance(item, TokenBatch):
+                        tokens += item.token_ids
+                    else:
+                        finished = item
+                assert isinstance(finished, Finished), finished
+                outputs.append((tokens, finished.stats))
+            return outputs
+        finally:
+            scheduler.stop()
+
+    (failed, failed_stats), (after, after_stats) = asyncio.run(serve(
+        [SpeculationConfig(method="eagle3"), SpeculationConfig(method="eagle3")]))
+    assert calls["n"] > 3  # the second request drafted with EAGLE-3 again
+    assert failed == plain and after == plain  # lossless either way
+    assert failed_stats["fallback_from"] == "eagle3" and failed_stats["drafters"]["eagle3"]["rounds"] == 2
+    assert "fallback_from" not in after_stats and after_stats["drafters"]["eagle3"]["rounds"] > 2
+    text = metrics.render().decode()
+    assert 'whiflash:spec_decode_drafter_failures_total{drafter="eagle3",model_name="tiny"} 1.0' in text
+    # the target failing is not a drafter failing: it stays the request's error (no fallback)
+    gen = engine.start(GenerationRequest(prompt, 5, speculation=SpeculationConfig(method="eagle3")))
+    gen.prefill()
+
+    def broken_target(*args, **kw):
+        raise RuntimeError("target bug")
+
+    engine.target.forward = broken_target
+    with pytest.raises(RuntimeError, match="target bug"):
+        gen.step()
+    assert gen.fallback_from is None
+
+
+# --- grammar work bounded ------------------------------------------------------------------------
+
+
+def test_schemas_past_the_bounds_get_a_400_naming_the_bound():
+    from whiflash_core.constraints import MAX_ENUM_VALUES, MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH
+
+    def any_of(depth: int) -> dict:
+        s: dict = {"type": "string"}
+        for _ in range(depth - 1):
+            s = {"anyOf": [s, {"type": "integer"}]}
+        return s
+
+    too_much = {
+        str(MAX_ENUM_VALUES): {"type": "object", "properties": {
+            "a": {"enum": [f"v{i}" for i in range(MAX_ENUM_VALUES // 2)]},
+            "b": {"type": "array", "items": {"enum": [f"w{i}" for i in range(MAX_ENUM_VALUES // 2 + 1)]}}}},
+        str(MAX_SCHEMA_DEPTH): any_of(MAX_SCHEMA_DEPTH + 1),
+        str(MAX_SCHEMA_BYTES): {"type": "string", "description": "x" * MAX_SCHEMA_BYTES},
+    }
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        for limit, schema in too_much.items():
+            r = tc.post("/v1/chat/completions", json={"messages": HI, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+            error = assert_openai_error(r, 400, "schema_too_complex")
+            assert error["param"] == "response_format" and limit in error["message"], error
+            r = tc.post("/v1/chat/completions", json={"messages": HI, "tools": tools_with(schema),
+                                                      "tool_choice": "required"})
+            error = assert_openai_error(r, 400, "schema_too_complex")
+            assert error["param"] == "tools[0].function.parameters" and limit in error["message"], error
+        assert_still_serving(tc)
+    from whiflash_core.constraints import check_schema
+    check_schema(any_of(MAX_SCHEMA_DEPTH))  # at the bounds is fine
+    check_schema({"enum": list(range(MAX_ENUM_VALUES))})
+
+
+class SlowGrammars:
+    """Stands in for xgrammar on a schema that takes `seconds` to compile (the fake engine has no
+    real tokenizer to build a grammar for)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.compiled = seconds, 0
+
+    def json_schema(self, schema, strict=True):
+        time.sleep(self.seconds)
+        self.compiled += 1
+        return None
+
+
+def test_slow_grammar_meets_its_deadline_and_plain_requests_never_wait_behind_it():
+    import threading
+
+    app, tc = in_process(FakeEngine("ok"), grammar_timeout=0.5, grammar_queue=2)
+    serving = app.state.serving
+    serving._grammars = slow = SlowGrammars(2.0)
+    body = {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "object"}}}}
+    with tc:
+        answers = []
+        grammar_requests = [threading.Thread(target=lambda: answers.append(tc.post("/v1/chat/completions", json=body)))
+                            for _ in range(2)]
+        for t in grammar_requests:
+            t.start()
+        wait_until(lambda: serving.grammar_jobs.pending == 2, 2.0)
+        # the pool is full: a third grammar is refused at once, plain requests are served at once
+        assert_openai_error(tc.post("/v1/chat/completions", json=body), 429, "grammar_queue_full")
+        for _ in range(5):
+            t0 = time.monotonic()
+            assert_still_serving(tc)
+            assert time.monotonic() - t0 < 0.4
+        for t in grammar_requests:
+            t.join(5)
+        for r in answers:  # each waited its 0.5 s, then a 400 naming the limit
+            error = assert_openai_error(r, 400, "grammar_timeout")
+            assert "0.5 s" in error["message"] and error["param"] == "response_format"
+        # the compilations go on in the background and free their places when done
+        wait_until(lambda: serving.grammar_jobs.pending == 0, 6.0)
+        slow.seconds = 0.0
+        assert tc.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def test_grammar_cache_is_bounded():
+    from transformers import AutoTokenizer
+
+    from app.settings import Settings as S
+    from whiflash_core.constraints import GRAMMAR_CACHE_BYTES, GrammarFactory
+    from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+
+    assert S().grammar_cache_bytes == GRAMMAR_CACHE_BYTES > 0  # the server's default is a bound
+    tok = AutoTokenizer.from_pretrained(embedded_model_dir(), gguf_file=EMBEDDED_GGUF)
+    limit = 2 * 1024 * 1024  # a few grammars of this tokenizer (each ~0.5 MB); 30 would be ~16 MB
+    grammars = GrammarFactory(tok, len(tok), [tok.eos_token_id], cache_limit_bytes=limit)
+    assert grammars.compiler.cache_limit_bytes == limit
+    for i in range(30):  # distinct schemas, each cached
+        grammars.json_schema({"type": "object", "properties": {f"field_{i}_{j}": {"type": "integer"} for j in range(8)}})
+        assert grammars.compiler.get_cache_size_bytes() <= limit
+
+
+# --- the request body in the OpenAPI document ----------------------------------------------------
+
+
+def test_openapi_document_describes_the_chat_request_body():
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        doc = tc.get("/openapi.json").json()
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    schema = body["content"]["application/json"]["schema"]
+    assert body["required"] and "messages" in schema["required"]
+    assert {"messages", "temperature", "tools", "stop", "speculation"} <= set(schema["properties"])
+    # every $ref resolves inside the document (what a fuzzer such as schemathesis needs)
+    refs, stack = [], [doc]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            refs += [node["$ref"]] if isinstance(node.get("$ref"), str) else []
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    assert any(r.endswith("/ChatMessage") for r in refs)
+    for ref in refs:
+        target = doc
+        for part in ref.removeprefix("#/").split("/"):
+            target = target[part]

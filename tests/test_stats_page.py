@@ -181,9 +181,11 @@ def test_event_stream_refuses_token_text_without_the_key():
             assert status == 401 and body["error"]["code"] == "invalid_api_key", kw
             assert "Hello" not in json.dumps(body)
         assert httpx.get(url + "/v1/stats/snapshot").status_code == 401
+        # never in the query string (it would land in access logs), even when right
+        status, body = first_event(events, params={"key": "secret"})
+        assert status == 401 and body["error"]["code"] == "invalid_api_key"
         # the same key as the API, offered in each way a browser or script can
-        for kw in ({"params": {"key": "secret"}}, {"cookies": {"whiflash_key": "secret"}},
-                   {"headers": {"Authorization": "Bearer secret"}}):
+        for kw in ({"cookies": {"whiflash_key": "secret"}}, {"headers": {"Authorization": "Bearer secret"}}):
             status, snap = first_event(events, **kw)
             assert status == 200 and snap["type"] == "snapshot", kw
             text = "".join(t["text"] for e in snap["events"] if e["type"] == "tokens" and e["id"] == reply["id"]
@@ -448,3 +450,18 @@ def test_stats_page_asks_for_the_key(browser, tmp_path):
             assert "API key" in pg.inner_text("#access-message")
         finally:
             context.close()
+
+
+def test_feed_never_publishes_user_and_is_refused_when_cors_allows_any_origin():
+    app = create_app(FakeEngine(), Settings(api_key="secret"))
+    with serve(app) as url:
+        chat(url, key="secret", user="alice@example.com")
+        status, snap = first_event(url + "/v1/stats/events", headers={"Authorization": "Bearer secret"})
+        assert status == 200 and any(e["type"] == "request_started" for e in snap["events"])
+        assert "alice@example.com" not in json.dumps(snap)
+    app = create_app(FakeEngine(), Settings(api_key="secret", cors_origins=["*"]))
+    with serve(app) as url:
+        for path in ("/v1/stats/events", "/v1/stats/snapshot"):
+            r = httpx.get(url + path, headers={"Authorization": "Bearer secret"})
+            assert r.status_code == 403 and r.json()["error"]["code"] == "cors_any_origin", path
+        chat(url, key="secret")  # the API itself still works

@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from whiflash_core.loading import from_hf
+from whiflash_core.loading import from_hf, from_safetensors
 
 # float64 logits against transformers: rerun with the AVX2 kernels forced (.ci/run)
 pytestmark = pytest.mark.numerics
@@ -45,3 +45,19 @@ def test_logits_and_taps_match_transformers(kind):
     torch.testing.assert_close(logits, ref.logits[0].float(), rtol=1e-5, atol=1e-5)
     for j, layer in enumerate((0, 2, 4)):
         torch.testing.assert_close(taps[:, j], ref.hidden_states[layer][0], rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("kind", ["llama3_rope", "qwen3"])
+def test_from_safetensors_equals_from_hf(tmp_path, kind):
+    """The direct loader (tensors straight onto the device, used off the CPU) builds the same model
+    as the transformers path: same weights and RoPE, so bit-identical logits."""
+    hf = _hf(kind)
+    hf.save_pretrained(tmp_path)
+    direct = from_safetensors(str(tmp_path), torch.float64)
+    via_hf = from_hf(hf, torch.float64)
+    assert direct.state_dict().keys() == via_hf.state_dict().keys()
+    for name, tensor in via_hf.state_dict().items():
+        assert torch.equal(direct.state_dict()[name], tensor), name
+    assert (direct.lm_head.weight is direct.embed_tokens.weight) == hf.config.tie_word_embeddings
+    ids = torch.randint(0, 97, (30,), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(direct(ids, direct.new_cache(31)).logits, via_hf(ids, via_hf.new_cache(31)).logits)

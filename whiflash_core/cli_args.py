@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import types
 from dataclasses import MISSING, Field, field, fields
-from typing import Any, Union, get_args, get_origin, get_type_hints
+from typing import Literal, Any, Union, get_args, get_origin, get_type_hints
 
 
 def setting(default: Any = MISSING, help: str | None = None, **meta: Any) -> Any:
@@ -45,6 +45,8 @@ def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
         return
     if get_origin(tp) is list:
         kw.update(nargs="+", type=get_args(tp)[0])
+    elif get_origin(tp) is Literal:   # a closed set of strings: its values are the choices
+        kw.update(type=str, choices=get_args(tp))
     else:
         kw["type"] = tp
     if required:

@@ -12,21 +12,26 @@ from __future__ import annotations
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
-from .router import Method
+from .router import Method, Policy
 
 
 @dataclass
 class SpeculationConfig:
     method: Method = field(default="whiflash", metadata={
         "help": "drafting method: none, eagle3, dflash, ngram (prompt lookup) or whiflash (routed)"})
+    policy: Policy = field(default="cost", metadata={
+        "help": "whiflash routing: cost (argmax over every drafter and draft length of expected tokens / "
+                "expected round time ** alpha) or entropy (the paper's threshold rule, the baseline)"})
     alpha: float = field(default=0.5, metadata={
-        "ge": 0.0, "le": 1.0, "help": "router trade-off: 0 = most accepted tokens, 1 = most tokens/s"})
+        "ge": 0.0, "le": 1.0, "help": "router trade-off: 1 = most tokens per second for this request (lowest "
+                                      "latency), 0 = most tokens per target forward"})
     num_draft_tokens: int | None = field(default=None, metadata={
         "ge": 1, "le": 64, "help": "EAGLE-3 chain / prompt-lookup draft length (default: the drafter's)"})
     block_size: int | None = field(default=None, metadata={
         "ge": 2, "le": 65, "help": "DFlash block incl. the anchor (default: the drafter's)"})
     prompt_lookup: bool = field(default=True, metadata={
-        "help": "whiflash: take a prompt-lookup draft first where the context repeats"})
+        "help": "whiflash: route to prompt lookup too (the entropy policy takes its draft first where the "
+                "context repeats)"})
     trace: bool = field(default=False, metadata={"help": "return every token with its source and round"})
     entropy_threshold: float | None = field(default=None, metadata={
         "api": False, "help": "explicit router threshold instead of the calibrated one"})

@@ -5,7 +5,8 @@ the allowed-token mask at every row of a draft, *before* any draft token is know
 so `masks(draft)` walks the matcher along the draft and rolls it back afterwards (xgrammar's
 matcher keeps a rollback history); only `advance()` commits.
 
-Grammars (compiled once per distinct schema, cached by xgrammar's compiler):
+Grammars (compiled once per distinct schema, cached by xgrammar's compiler up to
+GRAMMAR_CACHE_BYTES; `check_schema` bounds what one request may ask to compile):
 
 * tool calls in the Hermes format that `chat.render_chat` asks the model for:
   `<tool_call>\\n{"name": "<name>", "arguments": <json matching the tool's parameters>}\\n</tool_call>`,
@@ -23,7 +24,7 @@ target itself emits EOS and the generation finishes with reason "stop".
 """
 from __future__ import annotations
 
-import threading
+import json
 from typing import Any
 
 import torch
@@ -36,6 +37,53 @@ from .chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 # Whitespace between JSON tokens is free in JSON, and a small model left unconstrained there can
 # emit newlines until max_tokens. A few characters are plenty for pretty-printed output.
 MAX_JSON_WHITESPACE = 4
+
+
+# Bounds on what one request may ask to compile. Compilation time grows with the schema: an enum of
+# 10,000 strings took 7 s, nested `anyOf` 14 levels deep over 45 s. Real tool and response schemas
+# stay far below these; a deadline on compilation (app/grammar_jobs.py) catches the rest.
+MAX_SCHEMA_BYTES = 64 * 1024    # the schema as compact JSON
+MAX_ENUM_VALUES = 1000          # `enum` values (and `const`s) in the whole schema
+MAX_SCHEMA_DEPTH = 10           # subschemas inside one another (properties, items, anyOf, ...)
+# xgrammar caches compiled grammars; unbounded by default, so distinct schemas would grow it forever
+GRAMMAR_CACHE_BYTES = 64 * 1024 * 1024
+
+# keywords whose value is one subschema, or a list or a name -> subschema map of them
+_SUBSCHEMA = {"items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties", "additionalItems"}
+_SUBSCHEMA_LISTS = {"anyOf", "oneOf", "allOf", "prefixItems"}
+_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+class SchemaTooComplex(ValueError):
+    """A schema past one of the bounds above; the message names the bound."""
+
+
+def check_schema(schema: Any) -> None:
+    """Raise SchemaTooComplex if `schema` is larger, has more enum values or nests deeper than the
+    bounds allow. Iterative and linear in the schema's size, so it is safe on any input."""
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > MAX_SCHEMA_BYTES:
+        raise SchemaTooComplex(f"schema of {size} bytes; at most {MAX_SCHEMA_BYTES} bytes are accepted")
+    values, stack = 0, [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        if depth > MAX_SCHEMA_DEPTH:
+            raise SchemaTooComplex(f"subschemas nested more than {MAX_SCHEMA_DEPTH} levels deep")
+        if isinstance(node.get("enum"), list):
+            values += len(node["enum"])
+        values += "const" in node
+        if values > MAX_ENUM_VALUES:
+            raise SchemaTooComplex(f"more than {MAX_ENUM_VALUES} enum values; at most {MAX_ENUM_VALUES} are accepted")
+        for key, value in node.items():
+            if key in _SUBSCHEMA:
+                stack.append((value, depth + 1))
+            elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+                stack.extend((v, depth + 1) for v in value)
+            elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+                stack.extend((v, depth + 1) for v in value.values())
 
 
 class GrammarConstraint:
@@ -124,19 +172,19 @@ def tools_or_json_structural_tag(tools: list[dict], parallel: bool, schema: dict
 class GrammarFactory:
     """Compiles grammars for one tokenizer and hands out fresh constraints for each request."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int],
+                 cache_limit_bytes: int = GRAMMAR_CACHE_BYTES):
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids)
-        self.compiler = xgr.GrammarCompiler(info)
+        # one compile thread per grammar: the caller decides how many grammars compile at once
+        self.compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=cache_limit_bytes)
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
-        self._lock = threading.Lock()  # compilation may be requested from several threads
 
     def _new(self, compiled: xgr.CompiledGrammar) -> GrammarConstraint:
         return GrammarConstraint(compiled, self.vocab_size, self.stop_token_ids)
 
     def tool_calls(self, tools: list[dict], parallel: bool = True) -> GrammarConstraint:
-        with self._lock:
-            compiled = self.compiler.compile_structural_tag(tool_call_structural_tag(tools, parallel))
+        compiled = self.compiler.compile_structural_tag(tool_call_structural_tag(tools, parallel))
         return self._new(compiled)
 
     def lazy_tool_calls(self, tools: list[dict], parallel: bool = True) -> GrammarConstraint:
@@ -153,7 +201,6 @@ class GrammarFactory:
         return self.json_schema({"type": "object"})
 
     def json_schema(self, schema: dict[str, Any] | bool, strict: bool = True) -> GrammarConstraint:
-        with self._lock:
-            compiled = self.compiler.compile_json_schema(
-                schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=strict)
+        compiled = self.compiler.compile_json_schema(
+            schema, any_whitespace=True, max_whitespace_cnt=MAX_JSON_WHITESPACE, strict_mode=strict)
         return self._new(compiled)

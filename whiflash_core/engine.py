@@ -18,21 +18,26 @@ within a round when its client goes away.
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
 from .config import SpeculationConfig
+from .costs import CostModel
 from .drafters.base import Context, Draft, Drafter, DraftSampling
 from .drafters.ngram import NgramDrafter
 from .logits import LogitAdjustments, Penalizer, TokenLogprob, token_logprobs
+from .prefix_cache import PrefixCache
 from .rounds import Round, RoundTimes, Tally
-from .router import LOOKUP, METHODS, Method, Router, RouterCalibration, available_methods
+from .router import LOOKUP, METHODS, Method, Route, Router, RouterCalibration, available_methods
 from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
 from .target import TargetModel
+
+log = logging.getLogger(__name__)
 
 __all__ = ["METHODS", "Method", "SpeculationConfig", "GenerationRequest", "Engine", "Generation", "Round"]
 
@@ -61,22 +66,39 @@ class GenerationRequest:
     constraint: Constraint | None = None
     adjustments: LogitAdjustments = field(default_factory=LogitAdjustments)  # penalties, logit_bias
     logprobs: int | None = None   # report each token's log-probability and this many alternatives (None: off)
+    cache_namespace: str = ""   # prefix-cache tenant: a request only reuses its own namespace's prefixes
+
+
+@dataclass
+class RoundPlan:
+    """A round between drafting and verification (Generation.plan -> target forward -> commit)."""
+    n: int                       # verified positions before the round
+    route: Route
+    draft: Draft
+    masks: torch.Tensor | None   # grammar masks [m, V] for the verify rows
+    clock: _Clock
+    failed: str | None           # the drafter that raised this round, if any
+    rows: torch.Tensor           # [k + 1] token ids to verify: pending, d1..dk
 
 
 class Engine:
-    """A target, its drafters and the router calibration, shared by all requests."""
+    """A target, its drafters, the router calibration and the round-cost model, shared by all requests."""
 
     def __init__(self, target: TargetModel, tokenizer=None, drafters: dict[str, Drafter] | None = None,
-                 calibration: RouterCalibration | None = None, model_name: str = "target"):
+                 calibration: RouterCalibration | None = None, model_name: str = "target",
+                 costs: CostModel | None = None, prefix_cache: PrefixCache | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafters = dict(drafters or {})
         self.drafters.setdefault(LOOKUP, NgramDrafter())  # weightless: always available
         self.calibration = calibration or RouterCalibration()
+        # what rounds cost on this machine: learned from every request's rounds (costs.py)
+        self.costs = costs or CostModel()
         self.model_name = model_name
         taps = sorted({t for d in self.drafters.values() for t in d.tap_layers})
         self.tap_layers = tuple(taps)
         self.eos_ids = list(target.cfg.eos_token_ids)
+        self.prefix_cache = prefix_cache or PrefixCache(0)   # budget 0: off
 
     @property
     def methods(self) -> list[str]:
@@ -92,6 +114,48 @@ class Engine:
 
     def start(self, request: GenerationRequest) -> Generation:
         return Generation(self, request)
+
+    def step_many(self, gens: list[Generation]) -> list[Round | None | Exception]:
+        """One round of each generation, with one target forward shared by all of them.
+
+        Each request plans its round on its own (routes, catches up, drafts); their verify rows
+        [pending, d1..dk] then go through the target together: the linears (where the weights are
+        read, most of a CPU forward's cost) see all rows at once, attention stays per request (its
+        own cache and positions). Each request then accepts and rolls back on its own, so its tokens
+        do not depend on what it was batched with (float32: the same as stepping it alone,
+        tests/test_shared_forward.py). Returns, per generation, its Round, None once finished, or the
+        exception that ended its round: one request's failure is its own."""
+        results: list[Round | None | Exception] = [None] * len(gens)
+        planned = []
+        for i, gen in enumerate(gens):
+            try:
+                plan = gen.plan()
+            except Exception as exc:
+                results[i] = exc
+                continue
+            if plan is not None:
+                planned.append((i, gen, plan))
+        if not planned:
+            return results
+        taps = self.tap_layers if any(gen.tap_layers for _, gen, _ in planned) else ()
+        try:
+            if len(planned) == 1:   # alone: the plain forward (and the same bits as step())
+                (_, gen, plan), = planned
+                outs = [self.target(plan.rows, gen.cache, gen.tap_layers)]
+            else:
+                outs = self.target.forward_many([p.rows for _, _, p in planned], [g.cache for _, g, _ in planned],
+                                                taps)
+        except Exception as exc:
+            for i, gen, plan in planned:
+                gen.cache.rollback(min(plan.n, gen.cache.length))
+                results[i] = exc
+            return results
+        for (i, gen, plan), out in zip(planned, outs):
+            try:
+                results[i] = gen.commit(plan, out)
+            except Exception as exc:
+                results[i] = exc
+        return results
 
     def generate(self, request: GenerationRequest) -> Generation:
         gen = self.start(request)
@@ -110,7 +174,10 @@ class Generation:
             raise ValueError("empty prompt")
         self.engine, self.request, self.spec = engine, request, spec
         self.sampling = request.sampling
-        self.generator = torch.Generator()
+        # every tensor of the request lives on the target's device (the generator too: sampling
+        # draws on the device that holds the distributions)
+        self.device = device = engine.target.device
+        self.generator = torch.Generator(device=device)
         self.generator.manual_seed(request.sampling.seed if request.sampling.seed is not None
                                    else int.from_bytes(os.urandom(4), "little"))
         self.draft_sampling = DraftSampling(request.sampling.temperature, self.generator)
@@ -118,20 +185,21 @@ class Generation:
         threshold = spec.entropy_threshold
         if threshold is None:
             threshold = engine.calibration.threshold(spec.alpha)
-        self.router = Router(engine.drafters, spec, threshold)
+        self.router = Router(engine.drafters, spec, threshold, engine.costs)
+        self.router.prompt_len = len(request.prompt_ids)
 
         p = self.prompt_len = len(request.prompt_ids)
         # Buffers start small and grow by doubling: a request without max_tokens may run to the
         # context length, but most stop far earlier.
         capacity = p + min(request.max_new_tokens, 256) + self.router.longest_draft + 2
-        self.ids = torch.zeros(capacity, dtype=torch.long)   # prompt, emitted tokens, then the pending one
-        self.ids[:p] = torch.tensor(request.prompt_ids)
+        self.ids = torch.zeros(capacity, dtype=torch.long, device=device)  # prompt, emitted, then the pending one
+        self.ids[:p] = torch.tensor(request.prompt_ids, device=device)
         self.cache = engine.target.new_cache(capacity)
         # the target taps hidden states only for drafters that read them (not for prompt lookup)
         drafters = self.router.drafters
         self.tap_layers = engine.tap_layers if any(d.tap_layers for d in drafters.values()) else ()
         self.taps = torch.zeros(capacity, len(self.tap_layers), engine.target.cfg.hidden_size,
-                                dtype=engine.target.dtype)
+                                dtype=engine.target.dtype, device=device)
         self.states = {name: d.new_state(capacity) for name, d in drafters.items()}
 
         self.output: list[int] = []      # emitted token ids (stop token excluded)
@@ -144,8 +212,10 @@ class Generation:
         self.last_logits: torch.Tensor | None = None   # target logits [V] at the last verified position
         self.finished = False
         self.finish_reason: str | None = None
+        self.fallback_from: str | None = None   # a drafter that raised: plain decoding since then
         self.started = time.perf_counter()
         self.prefill_s = 0.0
+        self.cached_tokens = 0           # prompt tokens whose K/V came from the prefix cache
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
 
@@ -156,13 +226,18 @@ class Generation:
     # -- the loop -------------------------------------------------------------------------------
 
     def prefill(self) -> None:
+        """Run the prompt through the target (after the longest prefix the prefix cache holds) and
+        emit the first token."""
         t0 = time.perf_counter()
         p = self.prompt_len
         if p + 1 >= self.engine.max_context:
             raise ValueError(f"prompt of {p} tokens exceeds the context length {self.engine.max_context}")
-        out = self.engine.target(self.ids[:p], self.cache, self.tap_layers, logits_from=p - 1)
+        m = self.cached_tokens = self._reuse_cached_prefix()
+        # the last prompt position is always computed: its logits choose the first token
+        out = self.engine.target(self.ids[m:p], self.cache, self.tap_layers, logits_from=p - m - 1)
         if self.tap_layers:
-            self.taps[:p] = out.taps
+            self.taps[m:p] = out.taps
+        self._store_prefix()
         masks = self.request.constraint.masks([]) if self.request.constraint else None
         logits = self._target_logits(out.logits, None)
         _, tok = self._verify(logits, None, masks)
@@ -171,46 +246,108 @@ class Generation:
         self.prefill_s += time.perf_counter() - t0
         self._emit([tok], ["target"], round_index=0, logits=logits)
 
+    def _reuse_cached_prefix(self) -> int:
+        """Copy the longest cached prefix of the prompt (at most p - 1 tokens) into this request's
+        cache and taps; returns its length (0: nothing cached)."""
+        cache = self.engine.prefix_cache
+        if not cache.enabled:
+            return 0
+        p, ns = self.prompt_len, self.request.cache_namespace
+        # a request that taps no layers can also use an entry stored with taps (it ignores them);
+        # one that taps needs an entry with its taps
+        options = (self.tap_layers,) if self.tap_layers else tuple(dict.fromkeys(((), self.engine.tap_layers)))
+        hit = cache.lookup(ns, options, self.ids[:p], limit=p - 1)
+        if hit is None:
+            return 0
+        m, entry = hit.length, hit.entry
+        self.cache.k[:, :, :m] = entry.k[:, :, :m]
+        self.cache.v[:, :, :m] = entry.v[:, :, :m]
+        self.cache.length = m
+        if self.tap_layers:
+            self.taps[:m] = entry.taps[:m]
+        return m
+
+    def _store_prefix(self) -> None:
+        """Offer the verified sequence (positions 0..cache.length-1) to the prefix cache."""
+        cache = self.engine.prefix_cache
+        if cache.enabled:
+            n = self.cache.length
+            cache.store(self.request.cache_namespace, self.tap_layers, self.ids[:n], self.cache.k, self.cache.v,
+                        self.taps[:n] if self.tap_layers else None)
+
     def step(self) -> Round | None:
         """One speculation round (None once finished)."""
+        plan = self.plan()
+        if plan is None:
+            return None
+        return self.commit(plan, self.engine.target(plan.rows, self.cache, self.tap_layers))
+
+    def plan(self) -> RoundPlan | None:
+        """The first half of a round, up to the verify forward: route and draft. Returns the rows
+        the target must verify ([pending, d1..dk]), or None once finished. `step()` runs the forward
+        for this request alone; `Engine.step_many` runs one forward for several requests' plans."""
         if self.finished:
             return None
         n = self.cache.length  # ids[:n] verified (K/V cached), ids[n] = pending token the target chose
         self._ensure_capacity(n + self.router.longest_draft + 2)
         clock = _Clock()
         # route: the router picks this round's drafter and draft length k (never past max_tokens or the context)
-        route = self.router.route(self.states, self._context(), self.last_logits)
-        k = min(route.draft_len, self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
+        limit = min(self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
+        route = self.router.route(self.states, self._context(), self.last_logits, limit)
+        k = min(route.draft_len, limit)
         clock.lap("router")
         # propose: draft d1..dk (with their proposal distributions q [k, V] when sampling)
-        draft = self._propose(route.drafter, k, clock)
+        failed = None
+        try:
+            draft = self._propose(route.drafter, k, clock)
+        except Exception as exc:
+            if route.drafter is None:
+                raise
+            # a draft is only a proposal: without it this round (and the rest) is plain decoding,
+            # still the target's own tokens, so the request goes on instead of failing
+            failed = route.drafter
+            self._fall_back(failed, exc)
+            route, draft = Route(None), Draft(self.ids[:0])
         # a grammar constraint cuts the draft before the first token it forbids
         masks = self.request.constraint.masks(draft.tokens.tolist()) if self.request.constraint else None
         if masks is not None:
             draft = Draft(draft.tokens[: masks.shape[0] - 1], draft.probs)
+        return RoundPlan(n, route, draft, masks, clock, failed, torch.cat([self.ids[n:n + 1], draft.tokens]))
+
+    def commit(self, plan: RoundPlan, out) -> Round:
+        """The second half of a round, given the target's forward over `plan.rows` (this request's
+        K/V already appended to its cache): accept, roll back, emit."""
+        n, route, draft, masks, clock = plan.n, plan.route, plan.draft, plan.masks, plan.clock
         k = draft.tokens.shape[0]
-        # verify: one target forward over [pending, d1..dk] gives logits p [k+1, V]; keep the longest
+        # verify: the forward over [pending, d1..dk] gave logits p [k+1, V]; keep the longest
         # prefix d1..da the target agrees with (greedy: d_i = argmax p_i; sampling: accept d_i with
         # prob min(1, p_i(d_i) / q_i(d_i))) plus one token of its own from row a+1: the correction
         # (sampled from the residual max(0, p - q), renormalised) or, when a = k, the bonus.
-        out = self.engine.target(torch.cat([self.ids[n:n + 1], draft.tokens]), self.cache, self.tap_layers)
-        logits = self._target_logits(out.logits, draft)
+        logits = self._target_logits(out.logits, draft)   # penalties and logit_bias, row by row
         a, nxt = self._verify(logits, draft, masks)
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
         self.cache.rollback(n + a + 1)
         if self.tap_layers:
             self.taps[n:n + a + 1] = out.taps[: a + 1]
         emitted = draft.tokens[:a].tolist() + [nxt]
-        self.ids[n + 1:n + a + 2] = torch.tensor(emitted)
+        self.ids[n + 1:n + a + 2] = torch.tensor(emitted, device=self.device)
         self.last_logits = out.logits[a]
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
-                  times=clock.times)
+                  times=clock.times, fallback_from=plan.failed)
         r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index, logits)
+        self.router.observe(route, r)
         self.tally.add(r)
         return r
 
     # -- helpers --------------------------------------------------------------------------------
+
+    def _fall_back(self, drafter: str, exc: Exception) -> None:
+        """Plain decoding (method none) for the rest of this request after `drafter` raised."""
+        log.warning("drafter %s failed (%s: %s); plain decoding for the rest of this request",
+                    drafter, type(exc).__name__, exc, exc_info=exc)
+        self.fallback_from = drafter
+        self.router = Router(self.engine.drafters, replace(self.spec, method="none"), threshold=0.0)
 
     def _propose(self, name: str | None, k: int, clock: _Clock) -> Draft:
         """The drafter catches up on verified context it has not seen (lazily: only the drafter
@@ -236,7 +373,7 @@ class Generation:
         if end <= self.ids.shape[0]:
             return
         size = max(end, 2 * self.ids.shape[0])
-        ids = torch.zeros(size, dtype=torch.long)
+        ids = torch.zeros(size, dtype=torch.long, device=self.device)
         ids[: self.ids.shape[0]] = self.ids
         taps = self.taps.new_zeros((size,) + self.taps.shape[1:])
         taps[: self.taps.shape[0]] = self.taps
@@ -251,9 +388,9 @@ class Generation:
     def _verify(self, logits: torch.Tensor, draft: Draft | None, masks: torch.Tensor | None) -> tuple[int, int]:
         """(accepted a, next token) for a draft (None: no draft) against target logits [k+1, V];
         grammar masks [m, V] cut the rows to those the grammar allows."""
-        tokens = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long)
+        tokens = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         if masks is not None:
-            logits = logits[: masks.shape[0]].masked_fill(~masks, float("-inf"))
+            logits = logits[: masks.shape[0]].masked_fill(~masks.to(logits.device), float("-inf"))
             tokens = tokens[: masks.shape[0] - 1]
         if self.sampling.greedy:
             return verify_greedy(tokens, logits)
@@ -303,6 +440,7 @@ class Generation:
         if not self.finished:
             self.finished, self.finish_reason = True, reason
             self.finished_time = time.perf_counter()
+            self._store_prefix()   # the next turn of this conversation starts with all of it
 
     def cancel(self) -> None:
         self._finish("cancelled")
@@ -322,6 +460,8 @@ class Generation:
             "drafters": {name: d.as_dict() for name, d in t.drafters.items()},
             "switches": t.switches,
         }
+        if self.fallback_from is not None:
+            out["fallback_from"] = self.fallback_from
         if trace:
             tok = self.engine.tokenizer
             out["tokens"] = [

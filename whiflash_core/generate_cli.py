@@ -35,6 +35,8 @@ def add_parser(sub) -> None:
     p.add_argument("--weights", default="auto", choices=WEIGHT_FORMATS,
                    help="int4: the GGUF's Q4_1 blocks through the CPU int4 matmul, LM head int8; int8: every linear per-row int8 (bfloat16 only)")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where the target and drafters run (default: cuda when available, else cpu)")
     p.add_argument("--trace", action="store_true", help="include per-token sources")
     p.set_defaults(func=run)
 
@@ -69,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"unknown method(s) {bad}; choose from {list(METHODS)}")
     items = read_prompts(args.prompts)
     engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
-                         args.weights)
+                         args.weights, args.device)
     missing = [m for m in methods if m not in engine.methods]
     if missing:
         raise SystemExit(f"method(s) {missing} need drafters that are not loaded; available: {engine.methods}")

@@ -38,32 +38,39 @@ class Rotary:
     """Precomputed cos/sin tables. `inv_freq` may come from transformers (any rope type)."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0):
-        self.inv_freq = inv_freq.float()
+        # built on the CPU even under a `torch.device(...)` context: every device gets copies of
+        # the same tables (see `tables`)
+        self.inv_freq = inv_freq.float().cpu()
         self.scaling = scaling
         self._build(max_positions)
 
     @classmethod
     def default(cls, head_dim: int, theta: float, max_positions: int) -> "Rotary":
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
         return cls(inv_freq.float(), max_positions)
 
     def _build(self, n: int) -> None:
-        t = torch.arange(n, dtype=torch.float32)
+        t = torch.arange(n, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.cos = emb.cos() * self.scaling
         # sin with the first half negated: rotate_half(x) * sin == x.roll(half) * signed sin, exactly
         half = emb.shape[-1] // 2
         self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1) * self.scaling
-        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._cast: dict[tuple[torch.dtype, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, positions: slice | torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(self, positions: slice | torch.Tensor, dtype: torch.dtype,
+               device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / signed sin rows for `positions`, in `dtype` on `device` (None: the CPU). The
+        tables are computed once on the CPU and copied per (dtype, device), so every device reads
+        the same values."""
         stop = positions.stop if isinstance(positions, slice) else int(positions.max()) + 1
         if stop > self.cos.shape[0]:
             self._build(max(stop, 2 * self.cos.shape[0]))
-        if dtype not in self._cast:
-            self._cast[dtype] = (self.cos.to(dtype), self.sin.to(dtype))
-        cos, sin = self._cast[dtype]
+        key = (dtype, self.cos.device if device is None else torch.device(device))
+        if key not in self._cast:
+            self._cast[key] = (self.cos.to(key[1], dtype), self.sin.to(key[1], dtype))
+        cos, sin = self._cast[key]
         return cos[positions], sin[positions]
 
 

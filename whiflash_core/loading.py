@@ -9,6 +9,7 @@ Drafter directory layout (what `whiflash train` writes and what ships under mode
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -18,6 +19,7 @@ import torch
 from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
+from . import costs
 from .engine import Engine
 from .machine import Formats, formats_from, light_formats, measure
 from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8
@@ -32,6 +34,11 @@ DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float32": torch.f
           "fp32": torch.float32, "float64": torch.float64, "float16": torch.float16}
 # each drafter kind: its subdirectory in a drafter directory, and its loader
 DRAFTER_KINDS = {"eagle3": Eagle3Drafter, "dflash": DFlashDrafter}
+
+
+def default_device() -> str:
+    """`--device` when not given: the GPU when there is one."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 # --- the target ----------------------------------------------------------------------------------
@@ -66,12 +73,17 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
     rot = hf_model.model.rotary_emb
     rotary = Rotary(rot.inv_freq.detach().clone(), min(cfg.max_position_embeddings, 4096),
                     float(getattr(rot, "attention_scaling", 1.0)))
-    with torch.device("meta"):
-        model = TargetModel(cfg, rotary)
     state = {}
     for name, tensor in hf_model.state_dict().items():
         key = name[len("model."):] if name.startswith("model.") else name
         state[key] = tensor
+    return _assemble(cfg, rotary, state).to(dtype)
+
+
+def _assemble(cfg: TargetConfig, rotary: Rotary, state: dict[str, torch.Tensor]) -> TargetModel:
+    """A TargetModel that takes over Hugging Face-named tensors (linears stacked, ties restored)."""
+    with torch.device("meta"):
+        model = TargetModel(cfg, rotary)
     state = stack_linears(state, cfg.num_layers)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -79,7 +91,45 @@ def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = rotary
-    return model.to(dtype).eval()
+    return model.eval()
+
+
+def from_safetensors(directory: str, dtype: torch.dtype = torch.bfloat16,
+                     device: str | torch.device = "cpu") -> TargetModel:
+    """Our TargetModel straight from a Hugging Face directory (config.json + safetensors shards),
+    each tensor read onto `device` and cast to `dtype` there: no transformers model and no float32
+    copy on the host (an 8B model through `from_hf` holds tens of GB of host memory on the way).
+    Same weights and RoPE as `from_hf` (transformers computes the inverse frequencies, any rope type)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+    # Qwen3's rotary embedding is a copy of Llama's: both compute inv_freq from the config alone
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    hf_cfg = AutoConfig.from_pretrained(directory)
+    cfg = TargetConfig.from_hf(hf_cfg)
+    rot = LlamaRotaryEmbedding(hf_cfg)
+    rotary = Rotary(rot.inv_freq.detach().clone(), min(cfg.max_position_embeddings, 4096),
+                    float(getattr(rot, "attention_scaling", 1.0)))
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    state = {}
+    for name in files:
+        with safe_open(os.path.join(directory, name), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                if key.endswith("rotary_emb.inv_freq"):  # some older uploads saved this buffer
+                    continue
+                ours = key[len("model."):] if key.startswith("model.") else key
+                state[ours] = f.get_tensor(key).to(dtype)
+    return _assemble(cfg, rotary, state)
+
+
+def _has_safetensors(directory: str) -> bool:
+    return any(os.path.exists(os.path.join(directory, f))
+               for f in ("model.safetensors", "model.safetensors.index.json"))
 
 
 def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -94,15 +144,22 @@ def stack_linears(state: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
 
 
 def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", weights: str = "dense",
-                formats: Formats | None = None):
+                formats: Formats | None = None, device: str | None = None):
     """(TargetModel, tokenizer) for an HF directory / GGUF path, or the embedded default, in weight
-    format `weights` (dense, int8, int4: see quant.py).
+    format `weights` (dense, int8, int4: see quant.py), on `device` (default: cuda when available).
 
     weights="auto" lets `whiflash_core.machine` time the formats on this CPU and pick per phase
     (bf16 activations only: an explicit float32 is the exact reference path and stays dense);
     `formats` imposes such a choice instead. The choice is kept as `model.formats`.
+    On a GPU the target is dense in `dtype`: the light formats are PyTorch's CPU kernels.
     """
     dt = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    device = torch.device(device or default_device())
+    if device.type != "cpu":
+        if weights not in ("dense", "auto") or formats is not None:
+            print(f"warning: --weights {formats.weights if formats else weights} runs through CPU kernels only; "
+                  f"on {device} the target loads dense {str(dt).replace('torch.', '')} weights", file=sys.stderr)
+        return _load_dense_on(device, path, dt)
     hf_model, tok = load_hf_model(path)
     directory, gguf_file = model_location(path)
     gguf = os.path.join(directory, gguf_file) if gguf_file else None
@@ -128,6 +185,17 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
     return model, tok
 
 
+def _load_dense_on(device: torch.device, path: str | None, dtype: torch.dtype):
+    """(TargetModel, tokenizer) dense in `dtype` on a device other than the CPU: safetensors are
+    read straight onto it; a .gguf (the embedded default) goes through transformers on the CPU."""
+    directory, gguf_file = model_location(path)
+    if gguf_file is None and _has_safetensors(directory):
+        from transformers import AutoTokenizer
+        return from_safetensors(directory, dtype, device), AutoTokenizer.from_pretrained(directory)
+    hf_model, tok = load_hf_model(path)
+    return from_hf(hf_model, dtype).to(device), tok
+
+
 # --- drafters and the engine ------------------------------------------------------------------
 
 
@@ -148,9 +216,10 @@ def random_drafters(target: TargetModel, seed: int = 0, draft_vocab: int = 8192,
         target_layer_ids=default_target_layer_ids(c.num_layers, 4), num_target_layers=c.num_layers,
         rms_norm_eps=c.rms_norm_eps, draft_vocab_size=dv if dv < c.vocab_size else None)
     return {
-        "eagle3": Eagle3Drafter.random(eagle_cfg, target.embed_tokens, seed=seed, dtype=target.dtype),
+        "eagle3": Eagle3Drafter.random(eagle_cfg, target.embed_tokens, seed=seed,
+                                       dtype=target.dtype).to(target.device),
         "dflash": DFlashDrafter.random(dflash_cfg, target.embed_tokens, target.lm_head, seed=seed + 1,
-                                       dtype=target.dtype),
+                                       dtype=target.dtype).to(target.device),
     }
 
 
@@ -162,12 +231,14 @@ def load_drafters(path: str, target: TargetModel) -> dict:
 
 def load_engine(model: str | None = None, drafters: str | None = None, dtype: str = "bfloat16",
                 eagle3: str | None = None, dflash: str | None = None, threads: int | None = None,
-                weights: str = "dense") -> Engine:
+                weights: str = "dense", measure_costs: bool = True, device: str | None = None) -> Engine:
     """The engine for `model` (None = embedded SmolLM2) with drafters from `drafters` (a directory
-    in the layout above), or explicit `eagle3` / `dflash` checkpoint directories."""
+    in the layout above), or explicit `eagle3` / `dflash` checkpoint directories, on `device`
+    (default: cuda when available; the drafters load onto the target's device); with
+    `measure_costs`, the router's round-cost model timed on this machine (costs.measure)."""
     if threads:
         torch.set_num_threads(threads)
-    target, tokenizer = load_target(model, DTYPES[dtype], weights)
+    target, tokenizer = load_target(model, DTYPES[dtype], weights, device=device)
     found: dict = {}
     directory = drafters or (SHIPPED_DRAFTERS if model is None else None)
     if directory and os.path.isdir(directory):
@@ -187,4 +258,7 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
     if directory and os.path.exists(os.path.join(directory, "router.json")):
         calibration = RouterCalibration.load(os.path.join(directory, "router.json"))
     name = EMBEDDED_NAME if model is None else os.path.basename(os.path.normpath(model))
-    return Engine(target, tokenizer, found, calibration, model_name=name)
+    engine = Engine(target, tokenizer, found, calibration, model_name=name)
+    if measure_costs:
+        engine.costs = costs.measure(engine)
+    return engine

@@ -34,12 +34,14 @@ import numpy as np
 import torch
 
 DECODE_ROWS = (1, 4, 8)
+VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # the router's verify-cost table (costs.py)
 PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
 LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well before 64 rows
 CONTEXT = 256  # cached positions the timed forwards attend to
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
 CACHE_VERSION = 4
+VERIFY_CACHE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -73,11 +75,19 @@ def cpu_info() -> dict:
             "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
-def _cache_path(key: dict) -> str:
+def _cache_path(key: dict, kind: str = "formats") -> str:
     root = os.environ.get("WHIFLASH_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "whiflash")
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return os.path.join(root, f"formats-{digest}.json")
+    return os.path.join(root, f"{kind}-{digest}.json")
+
+
+def _write_json(path: str, result: dict) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, path)
 
 
 # --------------------------------------------------------------------------- timing
@@ -199,12 +209,45 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
     result = {"machine": info, "shape": shape, "seconds": round(time.perf_counter() - started, 2),
               "table": {k: {str(r): round(t, 6) for r, t in v.items()} for k, v in table.items()},
               "formats": dataclasses.asdict(formats)}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f, indent=1)
-    os.replace(tmp, path)
+    _write_json(path, result)
     return result
+
+
+def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, reps: int = 5) -> dict[int, float]:
+    """{rows: seconds} of a verify forward of the loaded target: `rows` new tokens after CONTEXT
+    cached ones, logits for every row and the drafters' `taps`, as the engine runs it (VERIFY_ROWS);
+    the router's verify-cost table (costs.py). Timed on the target itself, so in its loaded format
+    (weights, activations, any prefill twin); best of `reps`. Cached per machine, model shape and
+    format, like `measure`."""
+    cfg = target.cfg
+    shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                           "num_heads", "num_kv_heads", "head_dim")}
+    fmt = dataclasses.asdict(target.formats) if getattr(target, "formats", None) is not None else None
+    linears = sorted({type(m).__name__ for m in target.modules() if "Linear" in type(m).__name__})
+    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
+    key = {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape, "dtype": str(target.dtype),
+           "formats": fmt, "linears": linears, "taps": list(taps)}
+    path = _cache_path(key, "verify")
+    if use_cache and os.path.exists(path):
+        with open(path) as f:
+            return {int(r): t for r, t in json.load(f)["table"].items()}
+    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + max(VERIFY_ROWS),),
+                        generator=torch.Generator().manual_seed(0)).to(target.device)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    cache = target.new_cache(CONTEXT + max(VERIFY_ROWS))
+    best: dict[int, float] = {}
+    with torch.inference_mode():
+        target(ids[:CONTEXT], cache, logits_from=CONTEXT - 1)
+        for _ in range(reps):
+            for r in VERIFY_ROWS:
+                t0 = time.perf_counter()
+                target(ids[CONTEXT:CONTEXT + r], cache, taps)
+                sync()
+                best[r] = min(best.get(r, float("inf")), time.perf_counter() - t0)
+                cache.rollback(CONTEXT)
+    _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,
+                       "table": {str(r): round(t, 6) for r, t in best.items()}})
+    return best
 
 
 def light_formats(gguf: str | None) -> tuple[str, ...]:

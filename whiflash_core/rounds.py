@@ -55,18 +55,20 @@ class Round:
     tokens: list[int] = field(default_factory=list)    # emitted ids (no stop token)
     sources: list[str] = field(default_factory=list)   # per emitted token: the drafter or "target"
     times: RoundTimes = field(default_factory=RoundTimes)
+    fallback_from: str | None = None  # the drafter that raised in this round (plain decoding since)
 
     def event(self) -> dict:
         """The `round` event's fields (app/events.py); `from_event` reads them back."""
         return {"round": self.index, "drafter": self.drafter, "draft_tokens": self.draft_len,
                 "accepted": self.accepted, "decided": self.decided, "switched": self.switched,
-                "entropy": self.entropy, "seconds": round(self.times.total, 6)}
+                "entropy": self.entropy, "seconds": round(self.times.total, 6), "fallback_from": self.fallback_from}
 
     @classmethod
     def from_event(cls, event: dict) -> Round:
         return cls(index=event["round"], drafter=event.get("drafter"), draft_len=event.get("draft_tokens") or 0,
                    accepted=event.get("accepted") or 0, decided=event.get("decided") or 0,
-                   switched=bool(event.get("switched")), entropy=event.get("entropy"))
+                   switched=bool(event.get("switched")), entropy=event.get("entropy"),
+                   fallback_from=event.get("fallback_from"))
 
 
 @dataclass

@@ -1,22 +1,32 @@
-"""Per-round drafter routing.
+"""Per-round routing: which drafter drafts this round, and how many tokens.
 
-Entropy policy (WhiFlash-Entropy): the target's next-token entropy at the last accepted position
-decides. High entropy means uncertain text, where a sequential chain drafter (EAGLE-3) does
-better; low entropy means predictable text, where a block drafter (DFlash) commits many tokens
-cheaply. So: entropy > threshold -> eagle3, else dflash.
+Methods. `none`, `eagle3`, `dflash` and `ngram` use one drafter (or none) every round at its full
+draft length; they stay for comparison. `whiflash` routes: every round the router chooses among
+every loaded drafter (EAGLE-3, DFlash, prompt lookup while `prompt_lookup` is on, any later kind)
+and a plain decode step, by the request's `policy`:
 
-The `alpha` knob (0..1) trades expected accepted tokens against latency. Calibration (from
-`whiflash bench --calibrate-router`) measures a sweep of thresholds and keeps two: `threshold_al`,
-the one that maximised acceptance length, and `threshold_tps`, the one that maximised tokens/s.
-alpha=0 picks the first, alpha=1 the second. In between, alpha sets a round-latency budget
-interpolated between the two points' measured round times, and the router takes the measured
-threshold with the longest rounds that fit it. So on the calibration bench, a higher alpha never
-picks a threshold with longer mean rounds (the tokens/s-best point never has longer rounds than the
-acceptance-best one: tok/s = AL / round time). Without a measured sweep it falls back to linear
-interpolation of the two thresholds.
+- `cost` (the default): every candidate (drafter d with draft length k in 1..d's length, or no
+  draft) gets the tokens it is expected to emit, g (acceptance.py: this request's per-position
+  acceptance of d in the situation at hand: the target's top-1 probability at the last accepted
+  position, the prompt-lookup match length), and its expected round time, t (costs.py: drafting,
+  pending catch-up included, plus the verify of k + 1 rows, measured on this machine). The router
+  takes argmax g / t ** alpha:
+      alpha = 1: the most tokens per second for this request (lowest latency);
+      alpha = 0: the most tokens per target forward (the fewest verify forwards per token, what a
+                 busy server's total throughput needs once verify forwards are shared).
+  The draft length is adaptive: a longer draft wins only where its extra expected tokens pay for
+  its extra time (at alpha = 0 time is free, so the longest draft of the best drafter wins).
+- `entropy`: the paper's threshold rule, kept as the baseline: a prompt-lookup draft when the
+  context's last 3 tokens occurred before, else EAGLE-3 when the target's next-token entropy is
+  above the threshold (uncertain text, where a chain drafter does better), DFlash below it
+  (predictable text, where a block drafter commits many tokens cheaply). The threshold is
+  calibrated (`whiflash bench --calibrate-router`): a sweep of thresholds keeps `threshold_al`
+  (best acceptance length, alpha = 0) and `threshold_tps` (best tokens/s, alpha = 1); in between,
+  alpha sets a round-latency budget interpolated between the two points' measured round times and
+  takes the measured threshold with the longest rounds that fit it.
 
-`Router` is where methods meet drafters: it knows which drafters a method uses, asks the chosen
-drafter how long a draft it makes (`Drafter.draft_len`), and decides each round's drafter. The
+`Router` is where methods meet drafters: it knows which drafters a method uses and decides each
+round's drafter and draft length; after the round it learns from the `Round` (`observe`). The
 engine never names a drafter.
 """
 from __future__ import annotations
@@ -28,21 +38,28 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
+from .acceptance import AcceptanceModel, expected_tokens_by_k, situation
+from .costs import CostModel
 from .drafters.base import Context, Drafter, DrafterState
 from .layers import entropy_from_logits
+from .rounds import Round
 
 if TYPE_CHECKING:
     from .config import SpeculationConfig
 
 Method = Literal["none", "eagle3", "dflash", "ngram", "whiflash"]
 METHODS: tuple[str, ...] = get_args(Method)
-# The drafters each method routes between: one is used every round, two go through the entropy
-# router as (autoregressive, block).
+Policy = Literal["cost", "entropy"]
+POLICIES: tuple[str, ...] = get_args(Policy)
+# The drafters a method needs loaded. Single-drafter methods use theirs every round; whiflash
+# needs both trained kinds (the entropy rule chooses between them as (autoregressive, block)) and
+# routes among every loaded drafter.
 ROUTED: dict[str, tuple[str, ...]] = {"none": (), "eagle3": ("eagle3",), "dflash": ("dflash",),
                                       "ngram": ("ngram",), "whiflash": ("eagle3", "dflash")}
-# whiflash consults prompt lookup first and takes its draft when the context's last LOOKUP_FIRST_NGRAM
-# tokens occurred before (a shorter match is too often chance in free text to beat the router's pick)
-LOOKUP, LOOKUP_FIRST_METHODS, LOOKUP_FIRST_NGRAM = "ngram", ("whiflash",), 3
+ROUTING_METHODS = ("whiflash",)
+# the entropy policy takes a prompt-lookup draft first when the context's last LOOKUP_FIRST_NGRAM
+# tokens occurred before (a shorter match is too often chance in free text to beat its pick)
+LOOKUP, LOOKUP_FIRST_NGRAM = "ngram", 3
 
 
 def available_methods(drafters) -> list[str]:
@@ -107,42 +124,118 @@ class EntropyRouter:
 
 @dataclass
 class Route:
-    """This round's decision: which drafter, how long a draft (before the request's own limits)."""
-    drafter: str | None              # None: no drafting (method "none")
+    """This round's decision: which drafter, how long a draft, and what it was expected to do."""
+    drafter: str | None              # None: no drafting (method "none", or a plain step was best)
     draft_len: int = 0
     switched: bool = False           # differs from the previous round's drafter
-    entropy: float | None = None     # the entropy router's input, when it decided
+    entropy: float | None = None     # the entropy policy's input, when it decided
+    backlog: int = 0                 # verified positions the drafter catches up on first
+    situation: int = 0               # the acceptance model's bucket (acceptance.situation)
+    expected_tokens: float | None = None   # cost policy: g of the chosen candidate
+    expected_s: float | None = None        # cost policy: t of the chosen candidate
+
+
+@dataclass
+class Candidate:
+    drafter: str | None
+    k: int
+    tokens: float      # g: expected emitted tokens
+    seconds: float     # t: expected round time
+
+    def score(self, alpha: float) -> float:
+        return self.tokens / self.seconds ** alpha
+
+
+def best(candidates: list[Candidate], alpha: float) -> Candidate:
+    """argmax g / t ** alpha; on a tie the earlier candidate (the plain step comes first, then
+    shorter drafts: equal value for less work)."""
+    top = candidates[0]
+    for c in candidates[1:]:
+        if c.score(alpha) > top.score(alpha):
+            top = c
+    return top
 
 
 class Router:
     """Per-request routing: the drafters a method uses and each round's choice among them."""
 
-    def __init__(self, drafters: dict[str, Drafter], spec: SpeculationConfig, threshold: float):
-        routed = ROUTED[spec.method]
-        lookup_first = spec.method in LOOKUP_FIRST_METHODS and spec.prompt_lookup
-        names = routed + ((LOOKUP,) if lookup_first else ())
+    def __init__(self, drafters: dict[str, Drafter], spec: SpeculationConfig, threshold: float,
+                 costs: CostModel | None = None):
+        if spec.method in ROUTING_METHODS:
+            names = tuple(n for n in drafters if n != LOOKUP or spec.prompt_lookup)
+        else:
+            names = ROUTED[spec.method]
         self.drafters = {name: drafters[name] for name in names}      # every drafter this request may use
         self.draft_lens = {name: d.draft_len(spec) for name, d in self.drafters.items()}
-        self.lookup = drafters[LOOKUP] if lookup_first else None
-        self.routed = routed
-        self.entropy = EntropyRouter(threshold, *routed) if len(routed) == 2 else None
+        self.routes = spec.method in ROUTING_METHODS
+        self.policy, self.alpha = spec.policy, spec.alpha
+        self.entropy = EntropyRouter(threshold, *ROUTED["whiflash"]) if self.routes else None
+        self.costs = costs if costs is not None else CostModel()
+        self.acceptance = AcceptanceModel()
         self.previous: str | None = None
+        # positions every drafter catches up on once per request, whichever round first picks it
+        # (the prompt): charged to no round, or a long prompt would keep the drafters from ever
+        # being picked (an idle drafter's backlog only grows). Set by the Generation.
+        self.prompt_len = 0
 
     @property
     def longest_draft(self) -> int:
         return max(self.draft_lens.values(), default=0)
 
-    def route(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor) -> Route:
-        """Choose from the verified context and the target's logits at its last position [V]."""
-        entropy = None
-        if not self.routed:
+    def route(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
+              limit: int | None = None) -> Route:
+        """Choose from the verified context and the target's logits at its last position [V];
+        `limit` caps the draft length (tokens left to emit, room in the context)."""
+        if not self.drafters:
             return Route(None)
-        if self.lookup is not None and self.lookup.match(states[LOOKUP], ctx.ids, ctx.n)[0] >= LOOKUP_FIRST_NGRAM:
-            name = LOOKUP
-        elif self.entropy is None:
-            name = self.routed[0]
+        limit = self.longest_draft if limit is None else max(limit, 0)
+        if not self.routes:
+            name = next(iter(self.drafters))
+            route = Route(name, min(self.draft_lens[name], limit))
+        elif self.policy == "entropy":
+            route = self._by_entropy(states, ctx, logits, limit)
         else:
-            name, entropy = self.entropy.choose(logits)
-        switched = self.previous is not None and name != self.previous
-        self.previous = name
-        return Route(name, self.draft_lens[name], switched, entropy)
+            route = self._by_cost(states, ctx, logits, limit)
+        route.switched = self.previous is not None and route.drafter != self.previous
+        self.previous = route.drafter
+        if route.drafter is not None:
+            route.backlog = max(ctx.n - states[route.drafter].n_seen, 0)
+        return route
+
+    def observe(self, route: Route, r: Round) -> None:
+        """Learn from the round `route` led to: its drafter's acceptance, the round's costs."""
+        if route.drafter is not None:
+            self.acceptance.update(route.drafter, route.situation, r.draft_len, r.accepted)
+        self.costs.observe(route.drafter, route.draft_len, r.draft_len + 1, route.backlog, r.times)
+
+    # -- policies -------------------------------------------------------------------------------
+
+    def _by_entropy(self, states, ctx: Context, logits: torch.Tensor, limit: int) -> Route:
+        lookup = self.drafters.get(LOOKUP)
+        if lookup is not None and lookup.match(states[LOOKUP], ctx.ids, ctx.n)[0] >= LOOKUP_FIRST_NGRAM:
+            return Route(LOOKUP, min(self.draft_lens[LOOKUP], limit))
+        name, entropy = self.entropy.choose(logits)
+        return Route(name, min(self.draft_lens[name], limit), entropy=entropy)
+
+    def _by_cost(self, states, ctx: Context, logits: torch.Tensor, limit: int) -> Route:
+        # the target's top-1 probability at the last accepted position: 1 / sum(exp(l - max l))
+        top1 = float(1.0 / torch.exp(logits.float() - logits.max().float()).sum())
+        longest = min(self.longest_draft, limit)
+        verify = self.costs.verify.estimates(longest + 1)
+        candidates = [Candidate(None, 0, 1.0, self.costs.round_time(None, 0, 0, verify))]
+        where: dict[str, int] = {}
+        for name, drafter in self.drafters.items():
+            k_max, match = min(self.draft_lens[name], limit), 0
+            if name == LOOKUP:   # prompt lookup drafts only what followed its match
+                match, start = drafter.match(states[name], ctx.ids, ctx.n)
+                k_max = min(k_max, ctx.n + 1 - start) if match else 0
+            if k_max <= 0:
+                continue
+            where[name] = situation(name, top1, match)
+            gains = expected_tokens_by_k(self.acceptance.rates(name, where[name], k_max), k_max)
+            backlog = max(ctx.n - max(states[name].n_seen, self.prompt_len), 0)
+            candidates += [Candidate(name, k, gains[k], self.costs.round_time(name, k, backlog, verify))
+                           for k in range(1, k_max + 1)]
+        c = best(candidates, self.alpha)
+        return Route(c.drafter, c.k, situation=where.get(c.drafter, 0), expected_tokens=c.tokens,
+                     expected_s=c.seconds)

@@ -57,24 +57,30 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
-    """(number of accepted draft tokens, next token) for draft [k] and target logits [k+1, V]."""
-    pred = logits.argmax(-1)
+    """(number of accepted draft tokens, next token) for draft [k] and target logits [k+1, V].
+
+    The target's choices and the draft are read to the host together: on a GPU that is the
+    round's one wait for the device."""
     k = draft.shape[0]
-    mismatch = (draft != pred[:k]).nonzero()
-    a = int(mismatch[0]) if mismatch.numel() else k
-    return a, int(pred[a])
+    both = torch.cat([logits.argmax(-1), draft]).tolist()
+    choice, drafted = both[:k + 1], both[k + 1:]
+    a = next((i for i in range(k) if drafted[i] != choice[i]), k)
+    return a, choice[a]
 
 
 def verify_sampling(draft: torch.Tensor, draft_probs: torch.Tensor | None, probs: torch.Tensor,
                     generator: torch.Generator | None) -> tuple[int, int]:
     """Rejection sampling. draft [k]; draft_probs [k, V] or None (point masses); probs [k+1, V]."""
     k = draft.shape[0]
-    u = torch.rand(k, generator=generator, dtype=torch.float64) if k else None
-    for i in range(k):
-        x = int(draft[i])
-        p = float(probs[i, x])
-        q = 1.0 if draft_probs is None else float(draft_probs[i, x])
-        if q > 0 and float(u[i]) * q < p:
+    device = generator.device if generator is not None else probs.device
+    u = torch.rand(k, generator=generator, dtype=torch.float64, device=device).tolist() if k else []
+    # p(x_i) and q(x_i) of every draft token, read to the host at once (not one read per token)
+    rows = torch.arange(k, device=probs.device)
+    p_x = probs[rows, draft].tolist()
+    q_x = [1.0] * k if draft_probs is None else draft_probs[rows, draft].tolist()
+    for i, x in enumerate(draft.tolist()):
+        p, q = p_x[i], q_x[i]
+        if q > 0 and u[i] * q < p:
             continue
         if draft_probs is None:
             residual = probs[i].clone()

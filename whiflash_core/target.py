@@ -108,8 +108,24 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
 
     def forward(self, x, cos, sin, k_cache, v_cache, start: int, mask):
-        t, nh = x.shape[0], self.nh
-        qkv = self.qkv_proj(x).view(t, nh + 2 * self.nkv, self.hd)
+        return self.o_proj(self.attend_rows(self.qkv_proj(x), cos, sin, k_cache, v_cache, start, mask))
+
+    def forward_many(self, x, segments: list[Segment], layer: int):
+        """Rows of several requests: one q/k/v and one output projection for all of them, attention
+        per request over its own cache (`segments`, in row order)."""
+        qkv = self.qkv_proj(x)
+        out, row = [], 0
+        for s in segments:
+            out.append(self.attend_rows(qkv[row:row + s.rows], s.cos, s.sin, s.cache.k[layer], s.cache.v[layer],
+                                        s.start, s.mask))
+            row += s.rows
+        return self.o_proj(torch.cat(out))
+
+    def attend_rows(self, qkv, cos, sin, k_cache, v_cache, start: int, mask):
+        """Attention of t rows (their stacked q/k/v projections [t, (nh + 2 nkv) hd]) at positions
+        start..start+t-1: rotate, append k/v to the cache, attend over the cache: [t, nh hd]."""
+        t, nh = qkv.shape[0], self.nh
+        qkv = qkv.view(t, nh + 2 * self.nkv, self.hd)
         qk, v = qkv[:, :nh + self.nkv], qkv[:, nh + self.nkv:]
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, :nh]), self.k_norm(qk[:, nh:])], dim=1)
@@ -118,7 +134,7 @@ class Attention(nn.Module):
         k_cache[:, start:start + t] = k
         v_cache[:, start:start + t] = v.transpose(0, 1)
         end = start + t
-        return self.o_proj(attend(q, k_cache[:, :end], v_cache[:, :end], mask))
+        return attend(q, k_cache[:, :end], v_cache[:, :end], mask)
 
 
 class GatedMLP(nn.Module):
@@ -151,6 +167,21 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_many(self, x, segments: list[Segment], layer: int):
+        x = x + self.self_attn.forward_many(self.input_layernorm(x), segments, layer)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class Segment:
+    """One request's rows in a shared forward (TargetModel.forward_many)."""
+    rows: int
+    start: int                   # its cache length before the forward: the rows' first position
+    cache: KVCache
+    cos: torch.Tensor
+    sin: torch.Tensor
+    mask: torch.Tensor | None
+
 
 @dataclass
 class TargetOutput:
@@ -175,6 +206,10 @@ class TargetModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     # A long input (prefill) may run through a float32 twin of this model: where the CPU emulates
     # bf16, a float32 GEMM is several times faster than a bf16 one (bench/results/prefill_probe_avx2.json:
     # a 1,024-token prompt in 2.5 s against 13.9 s on an AVX2 EPYC), while the int4 kernels that
@@ -192,8 +227,7 @@ class TargetModel(nn.Module):
 
     def new_cache(self, capacity: int) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype,
-                       self.embed_tokens.weight.device)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, taps: tuple[int, ...] = (),
@@ -204,11 +238,43 @@ class TargetModel(nn.Module):
             return self._forward_in_twin(tokens, cache, taps, logits_from)
         start = cache.length
         cache.reserve(t)
-        cos, sin = self.rotary.tables(slice(start, start + t), self.dtype)
+        cos, sin = self.rotary.tables(slice(start, start + t), self.dtype, tokens.device)
         mask = attention_mask(t, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, tokens.device)
         h, tap_tensor = self.run_layers(self.embed_tokens(tokens), cos, sin, cache.k, cache.v, start, mask, taps)
         cache.length = start + t
         return TargetOutput(logits=self.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h)
+
+    @torch.inference_mode()
+    def forward_many(self, tokens: list[torch.Tensor], caches: list[KVCache],
+                     taps: tuple[int, ...] = ()) -> list[TargetOutput]:
+        """`forward` for several requests at once (their verify rows): the embedding, norms, MLPs,
+        projections and LM head run over all rows together, attention per request over its own
+        cache. Returns each request's output (logits for all its rows) as `forward` would."""
+        segments = []
+        for t, cache in zip(tokens, caches):
+            rows, start = t.shape[0], cache.length
+            cache.reserve(rows)
+            cos, sin = self.rotary.tables(slice(start, start + rows), self.dtype)
+            mask = attention_mask(rows, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, t.device)
+            segments.append(Segment(rows, start, cache, cos, sin, mask))
+        x = self.embed_tokens(torch.cat(tokens))
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in taps:
+                captured[i] = x
+            x = layer.forward_many(x, segments, i)
+        h = self.norm(x)
+        captured[self.cfg.num_layers] = h
+        tap_tensor = torch.stack([captured[i] for i in taps], dim=1) if taps else None
+        logits = self.logits(h)
+        outs, row = [], 0
+        for s in segments:
+            s.cache.length = s.start + s.rows
+            end = row + s.rows
+            outs.append(TargetOutput(logits=logits[row:end], taps=None if tap_tensor is None else tap_tensor[row:end],
+                                     last_hidden=h[row:end]))
+            row = end
+        return outs
 
     def _forward_in_twin(self, tokens, cache: KVCache, taps: tuple[int, ...], logits_from: int) -> TargetOutput:
         """The same forward computed by the prefill twin: the cached prefix is handed to it in its

@@ -61,7 +61,7 @@ def sweep(engine, prompts, thresholds: list[float], max_tokens: int, sampling, b
     for i, prompt in enumerate(prompts):
         order = thresholds[i % len(thresholds):] + thresholds[: i % len(thresholds)]
         for t in order:
-            spec = replace(base_spec, method="whiflash", entropy_threshold=t, trace=False)
+            spec = replace(base_spec, method="whiflash", policy="entropy", entropy_threshold=t, trace=False)
             gen = engine.start(GenerationRequest(prompt.ids, max_tokens, sampling, spec))
             gen.prefill()
             t0 = time.perf_counter()

@@ -51,7 +51,7 @@ def add_parser(sub) -> None:
     p.add_argument("--url", default=None, help="benchmark a running gateway at this base URL instead of in-process")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float64"])
-    add_arguments(p, SpeculationConfig, only=("alpha", "num_draft_tokens", "block_size"))
+    add_arguments(p, SpeculationConfig, only=("policy", "alpha", "num_draft_tokens", "block_size"))
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the losslessness check needs it)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="Hugging Face model directory or .gguf (default: embedded SmolLM2)")
@@ -60,12 +60,17 @@ def add_parser(sub) -> None:
     p.add_argument("--dflash", default=None, help="DFlash checkpoint directory")
     p.add_argument("--weights", default="dense", choices=WEIGHT_FORMATS,
                    help="target weights: int4 = the GGUF's Q4_1 blocks (LM head int8), int8 = per-row int8 linears (bfloat16 only); peers stay dense")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="where the target and drafters run (default: cuda when available, else cpu)")
     p.add_argument("--no-warmup", action="store_true")
     p.add_argument("--calibrate-router", default=None, metavar="THRESHOLDS",
                    help="comma-separated entropy thresholds: sweep the whiflash router over them and report "
                         "the thresholds maximising acceptance length and tokens/s (what alpha interpolates)")
     p.add_argument("--router-out", default=None,
                    help="with --calibrate-router: write the calibration here (e.g. DRAFTERS_DIR/router.json)")
+    p.add_argument("--alpha-sweep", default=None, metavar="ALPHAS",
+                   help="comma-separated alphas (e.g. 0,0.25,0.5,0.75,1): run whiflash at each on the workload "
+                        "and write acceptance length, tokens/s, mean round time and rounds per drafter per alpha")
     p.add_argument("--markdown", nargs="?", const="-", default=None, metavar="FILE",
                    help="without --workload: render results JSON FILE as Markdown and exit; "
                         "with --workload: also write the run's Markdown tables to FILE (or stdout)")
@@ -110,7 +115,7 @@ def build_inprocess(args, methods, prompts, notes):
     from .runners import EngineRunner, HFGenerateRunner, LlamaCppRunner, llama_cpp_available
 
     engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
-                         **({"weights": args.weights} if args.weights != "dense" else {}))
+                         **({"weights": args.weights} if args.weights != "dense" else {}), device=args.device)
     # what --weights auto chose on this machine, for the results file
     args.resolved_formats = None if engine.target.formats is None else dataclasses.asdict(engine.target.formats)
     missing = [m for m in methods if m not in engine.methods]
@@ -120,8 +125,8 @@ def build_inprocess(args, methods, prompts, notes):
         p.ids = encode_chat(engine.tokenizer, p.messages, p.tools)
     sampling = SamplingParams(args.temperature, seed=args.seed)
     runners = [EngineRunner(engine, m, sampling,
-                            SpeculationConfig(method=m, alpha=args.alpha, num_draft_tokens=args.num_draft_tokens,
-                                              block_size=args.block_size))
+                            SpeculationConfig(method=m, policy=args.policy, alpha=args.alpha,
+                                              num_draft_tokens=args.num_draft_tokens, block_size=args.block_size))
                for m in methods]
     if not args.peers:
         return runners
@@ -171,7 +176,7 @@ def build_http(args, methods):
     except (urllib.error.URLError, OSError) as exc:
         raise SystemExit(f"whiflash bench: no gateway at {args.url} ({exc})") from exc
     model = args.model or server_model(args.url)
-    spec = {"alpha": args.alpha}
+    spec = {"alpha": args.alpha, "policy": args.policy}
     if args.num_draft_tokens:
         spec["num_draft_tokens"] = args.num_draft_tokens
     if args.block_size:
@@ -258,7 +263,7 @@ def build_results(args, methods, names, prompts, records, notes) -> dict:
         "config": {
             "workload": args.workload, "workload_name": workload, "categories": categories,
             "prompts": len(prompts), "limit": args.limit, "methods": names, "max_tokens": args.max_tokens,
-            "repeats": args.repeats, "temperature": args.temperature, "seed": args.seed, "alpha": args.alpha,
+            "repeats": args.repeats, "temperature": args.temperature, "seed": args.seed, "alpha": args.alpha, "policy": args.policy,
             "num_draft_tokens": args.num_draft_tokens, "block_size": args.block_size, "weights": args.weights,
             "formats": getattr(args, "resolved_formats", None),
             "mode": f"http {args.url}" if args.url else "in-process",
@@ -320,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
     notes: list[str] = []
     if args.calibrate_router:
         return calibrate_router(args, prompts)
+    if args.alpha_sweep:
+        return alpha_sweep(args, prompts)
     runners = build_http(args, methods) if args.url else build_inprocess(args, methods, prompts, notes)
     names = [r.name for r in runners]
     records = measure(runners, prompts, args.max_tokens, args.repeats, warmup=not args.no_warmup)
@@ -362,7 +369,7 @@ def calibrate_router(args, prompts) -> int:
 
     thresholds = [float(t) for t in args.calibrate_router.split(",") if t.strip()]
     engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
-                         weights=args.weights)
+                         weights=args.weights, device=args.device)
     if "whiflash" not in engine.methods:
         raise SystemExit("router calibration needs both an EAGLE-3 and a DFlash drafter")
     for p in prompts:
@@ -404,3 +411,82 @@ def calibrate_router(args, prompts) -> int:
                       f, indent=2)
         print(f"wrote {args.out}")
     return 0
+
+
+def alpha_sweep(args, prompts) -> int:
+    """whiflash at each alpha of --alpha-sweep on the workload, in-process, one table row per alpha.
+
+    Same protocol as the bench: one engine, every prompt run at every alpha back to back with the
+    order rotating per prompt, greedy; outputs are checked against the first alpha's (in float32
+    every alpha must decode the same tokens)."""
+    from ..chat import encode_chat
+    from ..loading import load_engine
+    from ..sampling import SamplingParams
+    from .runners import EngineRunner
+
+    alphas = [float(a) for a in args.alpha_sweep.split(",") if a.strip()]
+    if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
+        raise SystemExit("--alpha-sweep: comma-separated alphas in [0, 1]")
+    engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
+                         **({"weights": args.weights} if args.weights != "dense" else {}))
+    if "whiflash" not in engine.methods:
+        raise SystemExit("the alpha sweep needs the whiflash method (an EAGLE-3 and a DFlash drafter)")
+    for p in prompts:
+        p.ids = encode_chat(engine.tokenizer, p.messages, p.tools)
+    sampling = SamplingParams(args.temperature, seed=args.seed)
+    runners = [EngineRunner(engine, "whiflash", sampling,
+                            SpeculationConfig(method="whiflash", policy=args.policy, alpha=a,
+                                              num_draft_tokens=args.num_draft_tokens, block_size=args.block_size))
+               for a in alphas]
+    if not args.no_warmup:
+        for r in runners:
+            r.run(prompts[0], min(8, args.max_tokens))
+    totals = [{"alpha": a, "rounds": 0, "round_tokens": 0, "decode_tokens": 0, "decode_s": 0.0, "round_s": 0.0,
+               "drafter_rounds": {}} for a in alphas]
+    differ = 0
+    for i, prompt in enumerate(prompts):
+        outputs = {}
+        for j in [(i + j) % len(alphas) for j in range(len(alphas))]:
+            r = runners[j].run(prompt, args.max_tokens)
+            t = totals[j]
+            outputs[j] = r.tokens
+            t["rounds"] += r.rounds
+            t["round_tokens"] += r.round_tokens
+            t["decode_tokens"] += r.decode_tokens
+            t["decode_s"] += r.decode_s
+            t["round_s"] += sum(r.times.get(k) or 0.0 for k in ("router", "catch_up", "draft", "verify"))
+            for name, n in r.extra["drafter_rounds"].items():
+                t["drafter_rounds"][name] = t["drafter_rounds"].get(name, 0) + n
+        differ += any(outputs[j] != outputs[0] for j in outputs)
+    rows = []
+    for t in totals:
+        rounds = t["rounds"] or 1
+        rows.append({"alpha": t["alpha"], "acceptance_length": t["round_tokens"] / rounds,
+                     "tokens_per_s": t["decode_tokens"] / t["decode_s"] if t["decode_s"] else None,
+                     "round_ms": 1000.0 * t["round_s"] / rounds, "rounds": t["rounds"],
+                     "round_share": {k: v / rounds for k, v in t["drafter_rounds"].items() if v}})
+    print(f"{'alpha':>5} {'acc. len':>8} {'tok/s':>7} {'round ms':>8}  rounds by drafter")
+    for r in rows:
+        share = ", ".join(f"{k} {v:.0%}" for k, v in sorted(r["round_share"].items(), key=lambda kv: -kv[1]))
+        print(f"{r['alpha']:>5.2f} {r['acceptance_length']:>8.3f} {r['tokens_per_s'] or 0:>7.2f} "
+              f"{r['round_ms']:>8.2f}  {share}")
+    if differ:
+        print(f"{'LOSSLESSNESS VIOLATED' if args.dtype in STRICT_DTYPES else 'note'}: {differ} prompt(s) decoded "
+              f"differently at different alphas ({args.dtype})", file=sys.stderr)
+    if args.out:
+        import torch
+
+        from .report import git_info, machine_info
+
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            f.write(dump_json({
+                "schema": "whiflash-alpha-sweep/1", "command": command_line(args),
+                "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                "git": git_info(), "machine": machine_info(args.dtype, torch.get_num_threads()),
+                "config": {"workload": args.workload, "prompts": len(prompts), "limit": args.limit,
+                           "max_tokens": args.max_tokens, "policy": args.policy, "weights": args.weights,
+                           "dtype": args.dtype, "drafters": drafters_description(args)},
+                "rows": rows, "prompts_differing_across_alphas": differ}) + "\n")
+        print(f"wrote {args.out}")
+    return 1 if differ and args.dtype in STRICT_DTYPES and args.temperature <= 0 else 0

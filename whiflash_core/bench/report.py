@@ -97,7 +97,7 @@ def _lookup(results: dict) -> dict:
 def overall_rows(results: dict) -> tuple[list[str], list[list[str]]]:
     """One row per method over all categories."""
     headers = ["method", "tok/s decode", "tok/s e2e", "x none decode", "x none e2e", "acc. len",
-               "draft ms/rd", "verify ms/rd", "catch-up ms/rd", "router ms/rd", "switches/req",
+               "draft ms/rd", "verify ms/rd", "catch-up ms/rd", "router ms/rd", "rounds by drafter", "switches/req",
                "identical", "prefix agree"]
     http = any(s.get("gateway_overhead_ms") is not None for s in results["summary"])
     if http:
@@ -110,7 +110,7 @@ def overall_rows(results: dict) -> tuple[list[str], list[list[str]]]:
         row = [s["method"], _f(s["decode_tps"]), _f(s["e2e_tps"]), _f(s["ratio_decode"], "{:.2f}x"),
                _f(s["ratio_e2e"], "{:.2f}x"), _f(s["acceptance_length"], "{:.2f}"),
                _f(ms.get("draft"), "{:.2f}"), _f(ms.get("verify"), "{:.2f}"), _f(ms.get("catch_up"), "{:.2f}"),
-               _f(ms.get("router"), "{:.2f}"),
+               _f(ms.get("router"), "{:.2f}"), round_share(s.get("round_share")),
                _f(s["switches_per_prompt"], "{:.1f}") if s["method"] == "whiflash" else "-",
                _pct(s["identical_fraction"]) if s["method"] != BASELINE else "(ref)",
                _pct(s["prefix_agreement"]) if s["method"] != BASELINE else "(ref)"]
@@ -118,6 +118,13 @@ def overall_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             row.append(_f(s.get("gateway_overhead_ms")))
         rows.append(row)
     return headers, rows
+
+
+def round_share(share: dict | None) -> str:
+    """"eagle3 61%, ngram 30%, plain 9%": each drafter's share of the method's rounds."""
+    if not share:
+        return "-"
+    return ", ".join(f"{name} {v:.0%}" for name, v in sorted(share.items(), key=lambda kv: -kv[1]))
 
 
 def speed_key(results: dict) -> str:

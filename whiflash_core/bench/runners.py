@@ -39,6 +39,14 @@ def cut_at_stop(tokens: list[int], stop_ids: set[int], max_tokens: int) -> tuple
 # -- the engine -------------------------------------------------------------------------------
 
 
+def drafter_rounds(stats: dict) -> dict[str, int]:
+    """Rounds per drafter from a request's stats, with "plain" for rounds that drafted nothing
+    (the router found no draft worth its cost, or method none)."""
+    out = {name: d["rounds"] for name, d in stats["drafters"].items()}
+    out["plain"] = stats["rounds"] - sum(out.values())
+    return out
+
+
 class EngineRunner:
     def __init__(self, engine, method: str, sampling, speculation):
         self.engine, self.name = engine, method
@@ -61,7 +69,8 @@ class EngineRunner:
             tokens=list(gen.output), rounds=stats["rounds"],
             times={k: timing[k] for k in ("draft", "verify", "catch_up", "router", "prefill")},
             switches=stats["switches"], finish_reason=gen.finish_reason,
-            extra={"draft_tokens": stats["draft_tokens"], "accepted_tokens": stats["accepted_tokens"]},
+            extra={"draft_tokens": stats["draft_tokens"], "accepted_tokens": stats["accepted_tokens"],
+                   "drafter_rounds": drafter_rounds(stats)},
         )
 
 

@@ -132,6 +132,7 @@ class Summary:
     ratio_e2e: float | None = None
     acceptance_length: float | None = None
     ms_per_round: dict = field(default_factory=dict)
+    round_share: dict = field(default_factory=dict)   # drafter (or "plain") -> share of the rounds
     switches_per_prompt: float | None = None
     identical_fraction: float | None = None   # vs none
     prefix_agreement: float | None = None     # mean matching-prefix fraction vs none
@@ -162,6 +163,12 @@ def summarize_group(category: str, method: str, records: list[PromptRecord],
         s.acceptance_length = sum(r.round_tokens for r in runs) / rounds if rounds else None
         if rounds and any(r.times for r in runs):
             s.ms_per_round = {k: 1000.0 * sum(r.times.get(k) or 0.0 for r in runs) / rounds for k in ROUND_PARTS}
+        counts: dict[str, int] = {}
+        for r in runs:
+            for name, n in (r.extra.get("drafter_rounds") or {}).items():
+                counts[name] = counts.get(name, 0) + n
+        if rounds and counts:
+            s.round_share = {name: n / rounds for name, n in counts.items() if n}
     s.switches_per_prompt = sum(r.switches for r in runs) / len(runs)
     overheads = [r.extra.get("gateway_overhead_s") for r in runs]
     if overheads and all(o is not None for o in overheads):

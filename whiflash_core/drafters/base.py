@@ -110,7 +110,7 @@ def pick_tokens(logits: torch.Tensor, sampling: DraftSampling, d2t: torch.Tensor
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     idx = torch.multinomial(probs, 1, generator=sampling.generator).squeeze(-1)
     full = probs.new_zeros(probs.shape[0], vocab_size)
-    cols = _to_target(torch.arange(probs.shape[1]), d2t)
+    cols = _to_target(torch.arange(probs.shape[1], device=probs.device), d2t)
     full[:, cols] = probs
     return _to_target(idx, d2t), full
 

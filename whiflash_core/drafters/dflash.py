@@ -145,7 +145,7 @@ class DFlashDrafter(Drafter, nn.Module):
         """Per-layer (k, v) of fused context features at positions start.. (used by training too)."""
         t = taps.shape[0]
         ctx = self.hidden_norm(self.fc(taps.reshape(t, -1)))
-        cos, sin = self.rotary.tables(slice(start, start + t), ctx.dtype)
+        cos, sin = self.rotary.tables(slice(start, start + t), ctx.dtype, ctx.device)
         return [layer.kv(ctx, cos, sin) for layer in self.layers]
 
     @torch.inference_mode()
@@ -166,7 +166,7 @@ class DFlashDrafter(Drafter, nn.Module):
     def block_hidden(self, block_ids: torch.Tensor, start: int, ctx_kv) -> torch.Tensor:
         """Hidden states of a block at positions start.. given per-layer context (k, v)."""
         x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)
-        cos, sin = self.rotary.tables(slice(start, start + x.shape[0]), x.dtype)
+        cos, sin = self.rotary.tables(slice(start, start + x.shape[0]), x.dtype, x.device)
         for layer, (k, v) in zip(self.layers, ctx_kv):
             x = layer(x, cos, sin, k, v)
         return x
@@ -187,7 +187,7 @@ class DFlashDrafter(Drafter, nn.Module):
         self.catch_up(state, ctx)
         n = ctx.n
         size = min(num_tokens, self.max_draft_tokens) + 1
-        block = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long)
+        block = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=ctx.ids.device)
         block[0] = ctx.ids[n]
         cache = state.cache
         ctx_kv = [(cache.k[i][:, :n], cache.v[i][:, :n]) for i in range(len(self.layers))]
@@ -241,7 +241,7 @@ class DFlashDrafter(Drafter, nn.Module):
     @classmethod
     def load(cls, path: str, target: TargetModel, dtype: torch.dtype | None = None) -> "DFlashDrafter":
         """The z-lab checkpoint in `path` for `target`, whose embedding and (without a reduced
-        head) LM head it shares; in the target's dtype unless `dtype` says otherwise."""
+        head) LM head it shares; on the target's device, in its dtype unless `dtype` says otherwise."""
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
         cfg = config_from_json(raw, target.cfg.num_layers)
@@ -256,7 +256,7 @@ class DFlashDrafter(Drafter, nn.Module):
         missing, unexpected = model.load_state_dict(sd, strict=False)
         if missing or unexpected:
             raise ValueError(f"DFlash checkpoint {path}: missing {missing}, unexpected {unexpected}")
-        return model.to(dtype).eval()
+        return model.to(target.device, dtype).eval()
 
 
 def _get(raw: dict, key: str, default=None):

@@ -156,7 +156,7 @@ class Eagle3Drafter(Drafter, nn.Module):
         """Layers over rows at positions start..; returns pre-norm outputs of rows >= full_from."""
         t = emb.shape[0]
         cache.ensure(start + t)
-        cos, sin = self.rotary.tables(slice(start, start + t), emb.dtype)
+        cos, sin = self.rotary.tables(slice(start, start + t), emb.dtype, emb.device)
         if len(self.layers) > 1:
             full_from = 0  # later layers need every row of the first layer's output
         h = hidden
@@ -292,7 +292,8 @@ class Eagle3Drafter(Drafter, nn.Module):
     @classmethod
     def load(cls, path: str, target: TargetModel, dtype: torch.dtype | None = None) -> "Eagle3Drafter":
         """The checkpoint in `path` (SafeAILab or speculators layout) for `target`, whose embedding
-        it shares unless it ships its own; in the target's dtype unless `dtype` says otherwise."""
+        it shares unless it ships its own; on the target's device, in its dtype unless `dtype` says
+        otherwise."""
         with open(os.path.join(path, "config.json")) as f:
             raw = json.load(f)
         cfg = config_from_json(raw, target.cfg.num_layers)
@@ -316,7 +317,7 @@ class Eagle3Drafter(Drafter, nn.Module):
         missing = [k for k in missing if not k.startswith("embed_tokens.")]
         if missing or unexpected:
             raise ValueError(f"EAGLE-3 checkpoint {path}: missing {missing}, unexpected {unexpected}")
-        return model.to(dtype).eval()
+        return model.to(target.device, dtype).eval()
 
 
 def config_from_json(raw: dict, num_target_layers: int) -> Eagle3Config:

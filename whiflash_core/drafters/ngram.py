@@ -49,7 +49,8 @@ class NgramDrafter(Drafter):
         within a request, so the last answer is kept: a router asking first costs no second search."""
         if state.last is not None and state.last[0] == n:
             return state.last[1]
-        state.last = (n, self._search(ids[:n + 1]))
+        # searched on the host: on a GPU each n-gram size would otherwise wait for the device
+        state.last = (n, self._search(ids[:n + 1].cpu()))
         return state.last[1]
 
     def _search(self, seq: torch.Tensor) -> tuple[int, int]:

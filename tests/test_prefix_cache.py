@@ -1,0 +1,143 @@
+"""The prefix cache: the bookkeeping on its own, then exactness of every method with it on and off
+(float64 tiny model; the real model in float32 is checked in test_engine_real / test_gateway)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import VOCAB, tiny_dflash, tiny_eagle, tiny_target
+from whiflash_core.engine import METHODS, Engine, GenerationRequest, SpeculationConfig
+from whiflash_core.prefix_cache import BLOCK, PrefixCache
+
+TAPS = (1, 3)
+
+
+def kv(n: int, fill: float = 1.0):
+    """Fake K/V of n positions ([layers=2, kv_heads=1, n, head_dim=4]) whose values name their position."""
+    k = torch.arange(n, dtype=torch.float32).view(1, 1, n, 1).expand(2, 1, n, 4).clone() * fill
+    return k, k.clone()
+
+
+def ids(n: int, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_longest_prefix_in_whole_blocks_and_never_the_whole_prompt():
+    cache = PrefixCache(10**8)
+    seq = ids(5 * BLOCK + 7)
+    cache.store("", TAPS, seq, *kv(len(seq)), None)
+    # the same prompt again: everything cached, but the limit leaves the last token to compute
+    hit = cache.lookup("", (TAPS,), seq[: 3 * BLOCK], limit=3 * BLOCK - 1)
+    assert hit.length == 2 * BLOCK
+    # a longer prompt that shares 4 blocks and 10 tokens of the 5th
+    other = torch.cat([seq[: 4 * BLOCK + 10], ids(50, seed=1)])
+    hit = cache.lookup("", (TAPS,), other, limit=len(other) - 1)
+    assert hit.length == 4 * BLOCK
+    assert torch.equal(hit.entry.k[0, 0, : hit.length, 0], torch.arange(hit.length, dtype=torch.float32))
+    # differs in the first block: nothing
+    changed = seq.clone()
+    changed[3] += 1
+    assert cache.lookup("", (TAPS,), changed, limit=len(changed) - 1) is None
+    s = cache.stats
+    assert (s.lookups, s.hits, s.hit_tokens) == (3, 2, 6 * BLOCK)
+
+
+def test_namespaces_and_tapped_layers_are_separate():
+    cache = PrefixCache(10**8)
+    seq = ids(3 * BLOCK)
+    cache.store("tenant-a", TAPS, seq, *kv(len(seq)), None)
+    assert cache.lookup("tenant-b", (TAPS,), seq, limit=len(seq)) is None
+    assert cache.lookup("tenant-a", ((),), seq, limit=len(seq)) is None   # stored with other taps
+    assert cache.lookup("tenant-a", ((), TAPS), seq, limit=len(seq)).length == 3 * BLOCK
+
+
+def test_a_longer_sequence_takes_over_the_shorter_one_it_extends():
+    cache = PrefixCache(10**8)
+    turn1 = ids(2 * BLOCK)
+    cache.store("", TAPS, turn1, *kv(len(turn1)), None)
+    turn2 = torch.cat([turn1, ids(2 * BLOCK, seed=5)])
+    cache.store("", TAPS, turn2, *kv(len(turn2)), None)
+    assert cache.stats.entries == 1   # the first entry had no block the second lacks
+    assert cache.lookup("", (TAPS,), turn2, limit=len(turn2)).length == 4 * BLOCK
+    # storing what is already cached changes nothing
+    before = cache.stats.stored_bytes
+    cache.store("", TAPS, turn1, *kv(len(turn1)), None)
+    assert (cache.stats.entries, cache.stats.stored_bytes) == (1, before)
+
+
+def test_least_recently_used_entries_go_beyond_the_budget():
+    one = sum(t.numel() * t.element_size() for t in (ids(BLOCK), *kv(BLOCK)))
+    cache = PrefixCache(3 * one)
+    seqs = [ids(BLOCK, seed=s) for s in range(4)]
+    for s in seqs[:3]:
+        cache.store("", TAPS, s, *kv(BLOCK), None)
+    cache.lookup("", (TAPS,), seqs[0], limit=BLOCK)       # seqs[0] is now the most recent
+    cache.store("", TAPS, seqs[3], *kv(BLOCK), None)       # evicts seqs[1], the least recent
+    assert cache.stats.stored_bytes <= 3 * one
+    found = [cache.lookup("", (TAPS,), s, limit=BLOCK) is not None for s in seqs]
+    assert found == [True, False, True, True]
+    assert cache.stats.evictions == 1
+    # an entry larger than the whole budget is not stored
+    cache.store("", TAPS, ids(4 * BLOCK, seed=9), *kv(4 * BLOCK), None)
+    assert cache.lookup("", (TAPS,), ids(4 * BLOCK, seed=9), limit=4 * BLOCK) is None
+
+
+def test_a_hash_collision_is_a_miss_not_a_wrong_prefix(monkeypatch):
+    cache = PrefixCache(10**8)
+    monkeypatch.setattr(PrefixCache, "_keys", lambda self, ns, taps, id_list, blocks: iter(range(blocks)))
+    seq = ids(2 * BLOCK)
+    cache.store("", TAPS, seq, *kv(len(seq)), None)
+    assert cache.lookup("", (TAPS,), ids(2 * BLOCK, seed=3), limit=2 * BLOCK) is None   # same keys, other ids
+    assert cache.lookup("", (TAPS,), seq, limit=2 * BLOCK).length == 2 * BLOCK
+
+
+# -- the engine: a multi-turn conversation with the cache on and off ------------------------------------
+
+
+def engine(cache_bytes: int) -> Engine:
+    target = tiny_target()
+    return Engine(target, None, {"eagle3": tiny_eagle(target), "dflash": tiny_dflash(target)},
+                  prefix_cache=PrefixCache(cache_bytes))
+
+
+def conversation(eng: Engine, spec: SpeculationConfig, turns: int = 4, namespace: str = "") -> list[tuple]:
+    """(output, cached tokens) per turn; each turn's prompt is the previous prompt + answer + a new message."""
+    prompt = torch.randint(0, VOCAB, (70,), generator=torch.Generator().manual_seed(11)).tolist()
+    out = []
+    for turn in range(turns):
+        gen = eng.generate(GenerationRequest(prompt, 30, speculation=spec, cache_namespace=namespace))
+        out.append((gen.output, gen.cached_tokens))
+        message = torch.randint(0, VOCAB, (9,), generator=torch.Generator().manual_seed(100 + turn)).tolist()
+        prompt = prompt + gen.output + message
+    return out
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("method", METHODS)
+def test_every_method_gives_the_same_tokens_with_the_prefix_cache_float64(method):
+    spec = SpeculationConfig(method=method, entropy_threshold=3.0)
+    off = conversation(engine(0), spec)
+    on = conversation(engine(10**8), spec)
+    assert [o for o, _ in on] == [o for o, _ in off]
+    assert [c for _, c in off] == [0, 0, 0, 0]
+    cached = [c for _, c in on]
+    assert cached[0] == 0 and all(c > 0 and c % BLOCK == 0 for c in cached[1:]), cached
+    # turn t reuses everything up to turn t-1's answer (the new message is not cached yet)
+    assert cached[2] > cached[1]
+
+
+def test_tenants_do_not_share_prefixes():
+    eng = engine(10**8)
+    spec = SpeculationConfig(method="eagle3")
+    a = conversation(eng, spec, turns=2, namespace="a")
+    b = conversation(eng, spec, turns=2, namespace="b")
+    assert a[1][1] > 0 and b[0][1] == 0   # b's first turn finds nothing of a's identical prompt
+    assert [o for o, _ in a] == [o for o, _ in b]
+
+
+def test_a_plain_decode_request_reuses_a_prefix_stored_by_a_drafting_one():
+    eng = engine(10**8)
+    prompt = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(4)).tolist()
+    eng.generate(GenerationRequest(prompt, 10, speculation=SpeculationConfig(method="whiflash")))
+    gen = eng.generate(GenerationRequest(prompt, 10, speculation=SpeculationConfig(method="none")))
+    assert gen.cached_tokens == 96

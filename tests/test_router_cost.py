@@ -1,0 +1,180 @@
+"""The cost policy's parts: the round-cost model, the expected-gain model and the choice rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny import VOCAB, tiny_engine
+from whiflash_core.acceptance import AcceptanceModel, PositionRates, expected_tokens, expected_tokens_by_k, situation
+from whiflash_core.costs import CostModel, LinearCost, VerifyCost
+from whiflash_core.drafters.base import Context
+from whiflash_core.engine import GenerationRequest, SpeculationConfig
+from whiflash_core.rounds import Round, RoundTimes
+from whiflash_core.router import Candidate, Router, best
+
+# --- the cost model ------------------------------------------------------------------------------
+
+
+def test_linear_cost_recovers_a_line_and_forgets_the_past():
+    fit = LinearCost()
+    assert fit(5) == 0.0   # never observed: free (the router tries it once)
+    for k in (1, 2, 3, 4):
+        fit.add(k, 0.002 + 0.001 * k, decay=1.0)
+    a, b = fit.coefficients()
+    assert a == pytest.approx(0.002) and b == pytest.approx(0.001)
+    single = LinearCost()
+    single.add(3, 0.01)
+    assert single(3) == pytest.approx(0.01) and single(7) == pytest.approx(0.01)  # one x: no slope
+    # the machine slowed down: after enough decayed observations the fit follows
+    for _ in range(200):
+        for k in (1, 4):
+            fit.add(k, 2 * (0.002 + 0.001 * k))
+    assert fit(2) == pytest.approx(2 * 0.004, rel=1e-3)
+
+
+def test_verify_cost_keeps_the_tables_shape_and_learns_its_level():
+    # the int4 shape: 1-4 rows about the same, a fifth row starts a second block
+    table = {1: 0.010, 4: 0.012, 5: 0.016, 8: 0.018}
+    v = VerifyCost(table=dict(table))
+    est = v.estimates(9)
+    assert est[0] == 0.0 and est[1] == 0.010 and est[5] == 0.016
+    assert est[2] == pytest.approx(0.010 + 0.002 / 3)     # interpolated
+    assert est[9] == pytest.approx(0.018 + 0.002 / 3)     # extrapolated from the last two points
+    for _ in range(3):
+        v.add(4, 0.024)   # the real model runs 2x the table here
+    est = v.estimates(8)
+    assert est[4] == pytest.approx(0.024) and est[8] == pytest.approx(0.036) and est[1] == pytest.approx(0.020)
+
+
+def test_a_start_up_model_ignores_observations_unless_adaptive():
+    slow = RoundTimes(router=1e-4, catch_up=0.01, draft=0.05, verify=0.2)
+    for adaptive in (False, True):
+        model = CostModel.with_table({1: 0.01, 4: 0.012}, adaptive=adaptive)
+        model.draft["eagle3"] = LinearCost()
+        model.draft["eagle3"].add(3, 0.001)
+        before = model.round_time("eagle3", 3, 0)
+        model.observe("eagle3", 3, 4, 5, slow)
+        after = model.round_time("eagle3", 3, 0)
+        assert (after == before) != adaptive
+    # router and verify: the observation itself (a first one); draft: the decayed mean of the two
+    assert after == pytest.approx(1e-4 + (0.95 * 0.001 + 0.05) / 1.95 + 0.2)
+
+
+def test_round_time_adds_catch_up_draft_and_verify():
+    model = CostModel.with_table({1: 0.010, 2: 0.011, 3: 0.012, 4: 0.013})
+    model.catch_up["d"], model.draft["d"] = LinearCost(), LinearCost()
+    for x in (1, 10):
+        model.catch_up["d"].add(x, 0.0001 * x, decay=1.0)
+        model.draft["d"].add(x, 0.001 * x, decay=1.0)
+    assert model.round_time("d", 3, 10) == pytest.approx(0.001 + 0.003 + 0.013)
+    assert model.round_time("d", 3, 0) == pytest.approx(0.003 + 0.013)   # nothing to catch up on
+    assert model.round_time(None, 0, 0) == pytest.approx(0.010)           # a plain step
+
+
+# --- the expected gain ---------------------------------------------------------------------------
+
+
+def test_expected_tokens_is_one_plus_the_sum_of_survival_products():
+    rates = [0.9, 0.5, 0.2]
+    assert expected_tokens(rates, 0) == 1.0
+    assert expected_tokens(rates, 3) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
+    assert expected_tokens_by_k(rates, 3) == pytest.approx([expected_tokens(rates, k) for k in range(4)])
+
+
+def test_position_rates_count_accepts_up_to_the_first_rejection_only():
+    r = PositionRates()
+    r.update(k=4, accepted=1)          # position 1 accepted, 2 rejected, 3-4 unseen
+    assert r.rates == [1.0, 0.0] and r.weights == [1.0, 1.0]
+    r.update(k=4, accepted=4)          # all four accepted
+    assert r.rates[:2] == pytest.approx([1.0, 1 / 1.9]) and r.rates[2:] == [1.0, 1.0]
+
+
+def test_acceptance_is_kept_per_drafter_and_situation_and_shrinks_to_the_prior():
+    model = AcceptanceModel()
+    prior = model.rates("eagle3", 3, 2)
+    for _ in range(20):
+        model.update("eagle3", 3, 2, 2)    # confident target: everything accepted
+        model.update("eagle3", 0, 2, 0)    # uncertain target: nothing accepted
+    confident, uncertain = model.rates("eagle3", 3, 2), model.rates("eagle3", 0, 2)
+    assert confident[0] > prior[0] > uncertain[0]
+    assert confident[0] > 0.8 and uncertain[0] < 0.2
+    assert model.rates("dflash", 3, 2) == model.rates("dflash", 0, 2)   # other drafters untouched
+    assert situation("ngram", 0.99, 3) == 3 and situation("eagle3", 0.99, 3) == 3
+    assert situation("eagle3", 0.1, 3) == 0
+
+
+# --- the choice rule -----------------------------------------------------------------------------
+
+
+def test_alpha_zero_picks_the_most_tokens_and_alpha_one_the_most_tokens_per_second():
+    cands = [Candidate(None, 0, 1.0, 0.010),
+             Candidate("fast", 3, 2.0, 0.012),     # 167 tokens/s
+             Candidate("long", 7, 3.0, 0.030)]     # 100 tokens/s, most tokens per forward
+    assert best(cands, 0.0).drafter == "long"
+    assert best(cands, 1.0).drafter == "fast"
+    # a plain step wins when drafting does not pay
+    assert best([Candidate(None, 0, 1.0, 0.010), Candidate("slow", 3, 1.1, 0.020)], 1.0).drafter is None
+    assert best([Candidate(None, 0, 1.0, 0.010), Candidate("slow", 3, 1.1, 0.020)], 0.0).drafter == "slow"
+
+
+def _router(alpha: float, costs: CostModel, **spec) -> tuple[Router, dict, Context]:
+    eng = tiny_engine(torch.float32)
+    router = Router(eng.drafters, SpeculationConfig(method="whiflash", alpha=alpha, **spec), 0.0, costs)
+    states = {n: d.new_state(64) for n, d in router.drafters.items()}
+    ids = torch.arange(20) % 7
+    ctx = Context(ids, 10, torch.zeros(64, len(eng.tap_layers), 32, dtype=torch.float32), eng.tap_layers)
+    return router, states, ctx
+
+
+def test_router_shortens_the_draft_where_a_longer_one_does_not_pay():
+    # int4-like verify: rows 1-4 cost the same, a fifth row +50 %; drafting one token costs 1 ms
+    costs = CostModel.with_table({1: 0.010, 4: 0.010, 5: 0.015, 8: 0.016})
+    for name in ("eagle3", "dflash"):
+        costs.draft[name] = LinearCost()
+        costs.draft[name].add(1, 0.001 if name == "eagle3" else 0.005, decay=1.0)
+        costs.draft[name].add(4, 0.004 if name == "eagle3" else 0.005, decay=1.0)
+    logits = torch.zeros(VOCAB)
+    picks = {}
+    for alpha in (0.0, 1.0):
+        router, states, ctx = _router(alpha, costs, prompt_lookup=False, num_draft_tokens=4)
+        picks[alpha] = router.route(states, ctx, logits)
+    # alpha 0: time is free, the longest draft with the most expected tokens (eagle3 k=4, DFlash's
+    # block of 5 drafts 4 too, with the same prior: the first listed wins the tie)
+    assert (picks[0.0].drafter, picks[0.0].draft_len) == ("eagle3", 4)
+    # alpha 1: with the prior 0.6 per position, k=3 fills the 4-row verify; a 4th draft token
+    # would start the costly second block
+    assert (picks[1.0].drafter, picks[1.0].draft_len) == ("eagle3", 3)
+    assert picks[1.0].expected_tokens == pytest.approx(1 + 0.6 + 0.36 + 0.216)
+    assert picks[1.0].expected_s == pytest.approx(0.003 + 0.010)
+
+
+def test_router_learns_a_drafters_acceptance_within_the_request():
+    costs = CostModel.with_table({1: 0.010, 8: 0.010})
+    router, states, ctx = _router(1.0, costs, prompt_lookup=False)
+    logits = torch.zeros(VOCAB)
+    first = router.route(states, ctx, logits)
+    # the first pick never gets a draft accepted: the router moves to the other drafter
+    for i in range(6):
+        route = router.route(states, ctx, logits)
+        if route.drafter == first.drafter:
+            router.observe(route, Round(i + 1, route.drafter, route.draft_len, 0))
+    assert router.route(states, ctx, logits).drafter not in (first.drafter, None)
+
+
+def test_every_policy_and_alpha_equals_plain_decode_float32():
+    """Lossless whatever the router picks: float32 identity for both policies and alpha 0, 0.5, 1,
+    with a cost model whose verify steps make alpha change the picks."""
+    eng = tiny_engine(torch.float32)
+    eng.costs = CostModel.with_table({1: 0.010, 4: 0.011, 5: 0.016, 8: 0.018, 16: 0.040})
+    prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
+    prompt = prompt + prompt[:12]   # a repeat, so prompt lookup has matches
+    plain = eng.generate(GenerationRequest(prompt, 60, speculation=SpeculationConfig(method="none"))).output
+    shapes = {}
+    for policy in ("cost", "entropy"):
+        for alpha in (0.0, 0.5, 1.0):
+            spec = SpeculationConfig(method="whiflash", policy=policy, alpha=alpha, entropy_threshold=3.5)
+            gen = eng.generate(GenerationRequest(prompt, 60, speculation=spec))
+            assert gen.output == plain, (policy, alpha)
+            shapes[policy, alpha] = gen.stats()["draft_tokens"]
+    # the knob moves the cost policy: alpha 0 drafts the most
+    assert shapes["cost", 0.0] > shapes["cost", 1.0]

@@ -1,0 +1,105 @@
+"""Expected gain of a draft before drafting it: how many tokens a round will emit.
+
+A round that drafts k tokens emits a + 1 (a accepted drafts, then the target's own token). With
+p_i the probability that draft token i is accepted given that tokens 1..i-1 were, the expected
+emitted tokens are
+
+    g(k) = 1 + sum_{i=1..k} prod_{j=1..i} p_j
+
+Each request keeps, per drafter, exponentially weighted per-position rates p_i learned from its
+own rounds (a round with k drafts and a accepted says "accepted" for positions 1..a and
+"rejected" for position a+1, and nothing about later ones). The rates are kept per *situation*,
+what is known before drafting:
+
+- neural drafters (EAGLE-3, DFlash): the target's top-1 probability at the last accepted position,
+  in TOP1_BINS (a confident target means predictable text, where drafts run longer);
+- prompt lookup: the length of the suffix n-gram that matched (a 3-token match is far less often
+  chance than a 2-token one).
+
+A situation seen rarely borrows from the drafter's rates over all situations, and those from a
+prior, in proportion to how much each has been observed (shrinkage with PRIOR_WEIGHT pseudo
+rounds), so the first rounds of a request are not decided by one lucky or unlucky draft.
+"""
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+TOP1_BINS = (0.5, 0.8, 0.95)   # situation edges on the target's top-1 probability
+RATE_DECAY = 0.9                # weight of the past per observation of a position
+PRIOR_WEIGHT = 2.0              # pseudo observations behind the prior and the drafter-wide rates
+# prior per-position acceptance before a request has any rounds (only a starting point: a few
+# rounds of the request's own text outweigh it)
+PRIOR_RATE = {"ngram": 0.5}
+DEFAULT_PRIOR_RATE = 0.6
+
+
+@dataclass
+class PositionRates:
+    """Per-position acceptance rates p_1, p_2, ... with the decayed observation weight of each."""
+    rates: list[float] = field(default_factory=list)
+    weights: list[float] = field(default_factory=list)
+
+    def update(self, k: int, accepted: int, decay: float = RATE_DECAY) -> None:
+        for i in range(min(accepted + 1, k)):   # positions 1..a accepted, a+1 rejected (if drafted)
+            if i == len(self.rates):
+                self.rates.append(0.0)
+                self.weights.append(0.0)
+            hit = 1.0 if i < accepted else 0.0
+            w = decay * self.weights[i] + 1.0
+            self.rates[i] += (hit - self.rates[i]) / w   # weighted mean of decayed observations
+            self.weights[i] = w
+
+    def shrunk(self, fallback: list[float], weight: float = PRIOR_WEIGHT) -> list[float]:
+        """These rates pulled towards `fallback` by `weight` pseudo observations per position."""
+        out = []
+        for i, base in enumerate(fallback):
+            if i < len(self.rates):
+                w = self.weights[i]
+                out.append((w * self.rates[i] + weight * base) / (w + weight))
+            else:
+                out.append(base)
+        return out
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """g(k) = 1 + sum_{i<=k} prod_{j<=i} p_j (tokens a round with k drafts emits)."""
+    g, survive = 1.0, 1.0
+    for p in rates[:k]:
+        survive *= p
+        g += survive
+    return g
+
+
+def expected_tokens_by_k(rates: list[float], k_max: int) -> list[float]:
+    """[g(0), g(1), ..., g(k_max)] in one pass."""
+    out, survive = [1.0], 1.0
+    for p in rates[:k_max]:
+        survive *= p
+        out.append(out[-1] + survive)
+    return out
+
+
+def situation(drafter: str, top1: float, match: int) -> int:
+    """The bucket a round falls in before drafting (see the module docstring)."""
+    return match if drafter == "ngram" else bisect_right(TOP1_BINS, top1)
+
+
+class AcceptanceModel:
+    """One request's acceptance history per drafter and situation."""
+
+    def __init__(self):
+        self.overall: dict[str, PositionRates] = {}
+        self.by_situation: dict[tuple[str, int], PositionRates] = {}
+
+    def rates(self, drafter: str, where: int, k_max: int) -> list[float]:
+        """p_1..p_k_max for `drafter` in situation `where`."""
+        prior = [PRIOR_RATE.get(drafter, DEFAULT_PRIOR_RATE)] * k_max
+        overall = self.overall.get(drafter, PositionRates()).shrunk(prior)
+        return self.by_situation.get((drafter, where), PositionRates()).shrunk(overall)
+
+    def update(self, drafter: str, where: int, k: int, accepted: int) -> None:
+        if k <= 0:
+            return
+        self.overall.setdefault(drafter, PositionRates()).update(k, accepted)
+        self.by_situation.setdefault((drafter, where), PositionRates()).update(k, accepted)

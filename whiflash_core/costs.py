@@ -1,0 +1,219 @@
+"""What a speculation round costs on this machine: the router's time model.
+
+The expected time of a round that drafts k tokens with drafter d is
+
+    t(d, k) = router + catch_up_d(backlog) + draft_d(k) + verify(k + 1)
+
+- `verify(rows)`: one target forward over `rows` tokens in the loaded weight format. It is not
+  linear in rows (the CPU int4 kernel works in blocks of 4 rows, bf16 and CPU generations differ
+  widely), so it is a table timed at start-up on the loaded target (`machine.verify_table`, a
+  few seconds, cached per machine and format), interpolated between the timed row counts.
+- `catch_up_d(backlog)` and `draft_d(k)`: per drafter, a straight line a + b x through phase
+  times (`RoundTimes.catch_up`, `.draft`), by least squares: at start-up `measure` times each
+  drafter at a few backlogs and every draft length (well under a second). `backlog` is the
+  verified positions the drafter has not seen yet (Lazy Catch-up: an idle drafter pays for its
+  backlog when next picked).
+- `router`: the router phase itself (the same for every candidate).
+
+Adaptive (`adaptive=True`): the engine's observed rounds keep it current: each verify row count
+keeps a running average (an unobserved one is the table scaled by the observed / table ratio of
+those seen), the drafter lines become exponentially weighted fits that forget the start-up points
+within a few dozen rounds, and the router phase a running average. It is off by default for a
+reason: routing then depends on the machine's momentary load, so the same request can draft
+differently twice, and in bf16/int4 (where a k-row verify rounds differently from a 1-row one)
+give a different answer at a near-tie; with the start-up model the same request always runs the
+same forwards. A model with nothing measured (an `Engine` built without `measure`) prices every
+round alike, so the router maximises expected tokens whatever alpha is.
+
+One `CostModel` lives on the `Engine`, shared by all requests (the machine, not the request,
+sets these costs); only the thread that steps generations touches it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .rounds import RoundTimes
+
+DECAY = 0.95         # weight of the past per observation: about the last 20 rounds count
+MIN_SECONDS = 1e-6   # floor for a round time, so g / t ** alpha is always defined
+
+
+@dataclass
+class RunningMean:
+    """Exponentially weighted mean; the first observation sets it."""
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float, decay: float = DECAY) -> None:
+        self.value = x if self.count == 0 else decay * self.value + (1.0 - decay) * x
+        self.count += 1
+
+
+@dataclass
+class LinearCost:
+    """seconds = a + b * x, by exponentially weighted least squares over the observations.
+
+    With a single x seen so far the slope is unidentifiable and taken as 0 (the mean for every x):
+    optimistic for other x, which the router then tries and so measures."""
+    s0: float = 0.0   # decayed sums of 1, x, x^2, y, x*y
+    sx: float = 0.0
+    sxx: float = 0.0
+    sy: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float, decay: float = DECAY) -> None:
+        self.s0, self.sx, self.sxx = decay * self.s0 + 1.0, decay * self.sx + x, decay * self.sxx + x * x
+        self.sy, self.sxy = decay * self.sy + y, decay * self.sxy + x * y
+
+    @property
+    def observed(self) -> bool:
+        return self.s0 > 0.0
+
+    def coefficients(self) -> tuple[float, float]:
+        if not self.observed:
+            return 0.0, 0.0
+        var = self.s0 * self.sxx - self.sx * self.sx
+        slope = (self.s0 * self.sxy - self.sx * self.sy) / var if var > 1e-9 * max(self.s0 * self.sxx, 1.0) else 0.0
+        slope = max(slope, 0.0)   # more tokens never cost less; a negative fit is noise
+        return max((self.sy - slope * self.sx) / self.s0, 0.0), slope
+
+    def __call__(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * x
+
+
+def _interpolate(points: dict[int, float], x: int) -> float:
+    """Piecewise linear through points {x: y}; linear extrapolation from the last two beyond."""
+    xs = sorted(points)
+    if len(xs) == 1:
+        return points[xs[0]]
+    if x <= xs[0]:
+        return points[xs[0]]
+    lo, hi = (xs[-2], xs[-1]) if x >= xs[-1] else next((a, b) for a, b in zip(xs, xs[1:]) if a <= x <= b)
+    return points[lo] + (points[hi] - points[lo]) * (x - lo) / (hi - lo)
+
+
+@dataclass
+class VerifyCost:
+    """T(rows) of the loaded target format: a measured table's shape, observations' level."""
+    table: dict[int, float] = field(default_factory=dict)   # rows -> seconds, timed at start-up
+    observed: dict[int, RunningMean] = field(default_factory=dict)
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.observed.setdefault(rows, RunningMean()).add(seconds)
+
+    def scale(self) -> float:
+        """Observed / table time over the row counts seen (the real model, context and load vs
+        random weights at a fixed context): weighted by how often each was seen."""
+        seen = [(m.count, m.value / _interpolate(self.table, r)) for r, m in self.observed.items()]
+        total = sum(c for c, _ in seen)
+        return sum(c * s for c, s in seen) / total if total else 1.0
+
+    def estimates(self, max_rows: int) -> list[float]:
+        """[T(0) = 0, T(1), ..., T(max_rows)]: one call per round, so the scale is computed once."""
+        out = [0.0]
+        scale = self.scale() if self.table and self.observed else 1.0
+        means = {r: m.value for r, m in self.observed.items()}
+        for rows in range(1, max_rows + 1):
+            if rows in means:
+                out.append(means[rows])
+            elif self.table:
+                out.append(scale * _interpolate(self.table, rows))
+            elif means:
+                out.append(_interpolate(means, rows))
+            else:
+                out.append(0.0)   # nothing known: every candidate costs the same
+        return out
+
+
+@dataclass
+class CostModel:
+    """Expected round time per (drafter, k); see the module docstring."""
+    verify: VerifyCost = field(default_factory=VerifyCost)
+    catch_up: dict[str, LinearCost] = field(default_factory=dict)   # seconds vs backlog positions
+    draft: dict[str, LinearCost] = field(default_factory=dict)      # seconds vs draft tokens k
+    router: RunningMean = field(default_factory=RunningMean)
+    adaptive: bool = False   # learn from observed rounds (see the module docstring)
+
+    @classmethod
+    def with_table(cls, table: dict[int, float], adaptive: bool = False) -> CostModel:
+        return cls(verify=VerifyCost(table=dict(table)), adaptive=adaptive)
+
+    def drafting(self, drafter: str | None, k: int, backlog: int) -> float:
+        """Seconds to catch `drafter` up on `backlog` positions and draft k tokens (0 without one)."""
+        if drafter is None or k <= 0:
+            return 0.0
+        catch_up = self.catch_up.get(drafter)
+        draft = self.draft.get(drafter)
+        return (catch_up(backlog) if catch_up and backlog > 0 else 0.0) + (draft(k) if draft else 0.0)
+
+    def round_time(self, drafter: str | None, k: int, backlog: int, verify: list[float] | None = None) -> float:
+        """Expected seconds of a round; `verify` = `self.verify.estimates(...)` when the caller
+        prices many candidates in one round."""
+        verify = verify if verify is not None else self.verify.estimates(k + 1)
+        return max(self.router.value + self.drafting(drafter, k, backlog) + verify[k + 1], MIN_SECONDS)
+
+    def observe(self, drafter: str | None, draft_len: int, verified_rows: int, backlog: int,
+                times: RoundTimes) -> None:
+        """Learn from a finished round: the drafter asked for `draft_len` tokens after catching
+        up on `backlog` positions, and the target verified `verified_rows` rows."""
+        if not self.adaptive:
+            return
+        self.router.add(times.router)
+        if drafter is not None and draft_len > 0:
+            if backlog > 0:
+                self.catch_up.setdefault(drafter, LinearCost()).add(backlog, times.catch_up)
+            self.draft.setdefault(drafter, LinearCost()).add(draft_len, times.draft)
+        self.verify.add(verified_rows, times.verify)
+
+
+# --------------------------------------------------------------------------- start-up measurement
+
+CONTEXT = 256                # verified positions the timed drafters attend to (as machine.CONTEXT)
+BACKLOGS = (1, 8, 32)        # catch-up sizes timed per drafter
+MAX_TIMED_DRAFT = 16         # draft lengths timed: 1..min(this, the drafter's longest)
+
+
+def measure(engine, adaptive: bool = False, reps: int = 3) -> CostModel:
+    """The cost model of `engine` on this machine: the verify table (cached) and each drafter's
+    catch-up and draft lines, each point the best of `reps` runs (interference only adds time)."""
+    import torch
+
+    from .drafters.base import Context, DraftSampling
+    from .machine import verify_table
+
+    model = CostModel.with_table(verify_table(engine.target, engine.tap_layers), adaptive=adaptive)
+    longest = min(max((d.max_draft_tokens for d in engine.drafters.values()), default=1), MAX_TIMED_DRAFT)
+    capacity = CONTEXT + longest + 2
+    device = engine.target.device
+    ids = torch.randint(0, engine.target.cfg.vocab_size, (capacity,), generator=torch.Generator().manual_seed(0)).to(device)
+    taps = torch.randn(capacity, len(engine.tap_layers), engine.target.cfg.hidden_size,
+                       generator=torch.Generator().manual_seed(0)).to(device, engine.target.dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)   # time the work, not its launch
+    greedy = DraftSampling()
+    for name, drafter in engine.drafters.items():
+        catch_up, draft = LinearCost(), LinearCost()
+        for backlog in BACKLOGS:
+            seconds = []
+            for _ in range(reps):
+                state = drafter.new_state(capacity)
+                drafter.catch_up(state, Context(ids, CONTEXT - backlog, taps, engine.tap_layers))
+                t0 = time.perf_counter()
+                drafter.catch_up(state, Context(ids, CONTEXT, taps, engine.tap_layers))
+                sync()
+                seconds.append(time.perf_counter() - t0)
+            catch_up.add(backlog, min(seconds), decay=1.0)
+        state = drafter.new_state(capacity)
+        ctx = Context(ids, CONTEXT, taps, engine.tap_layers)
+        drafter.catch_up(state, ctx)
+        for k in range(1, min(drafter.max_draft_tokens, MAX_TIMED_DRAFT) + 1):
+            seconds = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                drafter.propose(state, ctx, k, greedy)
+                sync()
+                seconds.append(time.perf_counter() - t0)
+            draft.add(k, min(seconds), decay=1.0)
+        model.catch_up[name], model.draft[name] = catch_up, draft
+    return model

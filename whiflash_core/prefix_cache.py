@@ -1,0 +1,169 @@
+"""Prefix cache: the K/V of earlier requests, reused by later requests that start with the same tokens.
+
+An agent loop resends the whole conversation every turn (system prompt, tool schemas, earlier turns,
+tool results) and asks for a few dozen tokens; without this cache every turn prefills all of it again.
+vLLM (automatic prefix caching), SGLang (RadixAttention) and llama.cpp server (`cache_prompt`) keep
+the shared prefix; so do we, with the scheme of vLLM's automatic prefix caching:
+
+    blocks    a sequence is cut into blocks of BLOCK tokens; only whole blocks are cached
+    key       block i's key = hash(key of block i-1, tokens of block i), seeded with the namespace
+              (tenant) and the tapped layers, so one dict lookup per block walks the longest cached
+              prefix, and one tenant's prefix can never be found by another
+    entry     the K/V (and tapped hidden states, which the drafters catch up from) of one stored
+              sequence, positions 0..n-1, copied out of the request's cache
+    lookup    walk the new prompt's block keys while they hit; the entry of the deepest hit holds
+              the whole matched prefix (entries always start at position 0); its ids are compared
+              to the prompt's, so a hash collision can only cost a miss, never a wrong answer
+
+A request stores its prompt after prefill (so concurrent requests that share a system prompt hit)
+and its whole sequence when it finishes (so the next turn of the conversation hits). A newer entry
+takes over the keys of the blocks it shares with older ones; an entry left with no keys is dropped,
+and beyond the memory budget the least recently used entries go. Hits are copied into the new
+request's own cache, so an entry is never in use and eviction never has to wait.
+
+Positions 0..n-1 of a request's cache never change after they are verified (rollback only cuts
+drafted positions), so what is stored is exactly what a fresh prefill would have produced up to the
+rounding of a differently shaped forward: in float32 the outputs with and without the cache are the
+same tokens (tests/test_prefix_cache.py).
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+BLOCK = 32  # tokens per cached block: small enough to keep most of a turn, large enough to hash cheaply
+
+
+@dataclass
+class Entry:
+    ids: torch.Tensor            # [n] token ids, n a multiple of BLOCK
+    k: torch.Tensor              # [layers, kv_heads, n, head_dim]
+    v: torch.Tensor
+    taps: torch.Tensor | None    # [n, n_taps, hidden], or None when the request tapped no layers
+    keys: list[int] = field(default_factory=list)   # block keys that point at this entry
+    nbytes: int = 0
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[0]
+
+
+@dataclass
+class Hit:
+    entry: Entry
+    length: int                  # tokens reused (a multiple of BLOCK)
+
+
+@dataclass
+class PrefixCacheStats:
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0       # tokens looked up
+    hit_tokens: int = 0          # of which reused
+    stored_bytes: int = 0
+    entries: int = 0
+    evictions: int = 0
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int, block: int = BLOCK):
+        self.budget = budget_bytes
+        self.block = block
+        self._entries: OrderedDict[int, Entry] = OrderedDict()   # id(entry) -> entry, least recent first
+        self._by_key: dict[int, Entry] = {}
+        self._lock = threading.Lock()   # the engine thread writes; /metrics reads the stats
+        self.stats = PrefixCacheStats()
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget > 0
+
+    def _keys(self, namespace: str, taps: tuple[int, ...], ids: list[int], blocks: int):
+        key = hash((namespace, taps))
+        b = self.block
+        for i in range(blocks):
+            key = hash((key, tuple(ids[i * b:(i + 1) * b])))
+            yield key
+
+    def lookup(self, namespace: str, taps_options: tuple[tuple[int, ...], ...], ids: torch.Tensor,
+               limit: int) -> Hit | None:
+        """The longest cached prefix of `ids` of at most `limit` tokens, in whole blocks, among entries
+        stored with any of the given tapped layers."""
+        if not self.enabled:
+            return None
+        id_list = ids[: (limit // self.block) * self.block].tolist()
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.prompt_tokens += ids.shape[0]
+            best: Hit | None = None
+            for taps in taps_options:
+                hit = self._longest(namespace, taps, id_list)
+                if hit is not None and (best is None or hit.length > best.length):
+                    best = hit
+            if best is None or not torch.equal(best.entry.ids[:best.length], ids[:best.length]):
+                return None
+            self._entries.move_to_end(id(best.entry))
+            self.stats.hits += 1
+            self.stats.hit_tokens += best.length
+            return best
+
+    def _longest(self, namespace: str, taps: tuple[int, ...], id_list: list[int]) -> Hit | None:
+        hit = None
+        for i, key in enumerate(self._keys(namespace, taps, id_list, len(id_list) // self.block)):
+            entry = self._by_key.get(key)
+            if entry is None:
+                break
+            hit = Hit(entry, (i + 1) * self.block)
+        return hit
+
+    def store(self, namespace: str, taps: tuple[int, ...], ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              tap_states: torch.Tensor | None) -> None:
+        """Keep positions 0..n-1 (whole blocks) of a sequence: ids [n'], k/v [layers, kv_heads, >=n', head_dim]."""
+        n = (ids.shape[0] // self.block) * self.block
+        if not self.enabled or n == 0:
+            return
+        id_list = ids[:n].tolist()
+        keys = list(self._keys(namespace, taps, id_list, n // self.block))
+        with self._lock:
+            last = self._by_key.get(keys[-1])
+            if last is not None and torch.equal(last.ids[:n], ids[:n]):
+                self._entries.move_to_end(id(last))   # already cached (an earlier turn or request)
+                return
+        entry = Entry(ids[:n].clone(), k[:, :, :n].clone(), v[:, :, :n].clone(),
+                      None if tap_states is None else tap_states[:n].clone())
+        entry.nbytes = sum(t.numel() * t.element_size() for t in (entry.ids, entry.k, entry.v, entry.taps)
+                           if t is not None)
+        if entry.nbytes > self.budget:
+            return
+        with self._lock:
+            for key in keys:
+                old = self._by_key.get(key)
+                if old is not None:
+                    old.keys.remove(key)
+                    if not old.keys:   # every block it had is in the new entry too
+                        self._drop(old)
+                self._by_key[key] = entry
+            entry.keys = keys
+            self._entries[id(entry)] = entry
+            self.stats.stored_bytes += entry.nbytes
+            self.stats.entries += 1
+            while self.stats.stored_bytes > self.budget:
+                self._drop(next(iter(self._entries.values())))
+                self.stats.evictions += 1
+
+    def _drop(self, entry: Entry) -> None:
+        for key in entry.keys:
+            if self._by_key.get(key) is entry:
+                del self._by_key[key]
+        entry.keys = []
+        del self._entries[id(entry)]
+        self.stats.stored_bytes -= entry.nbytes
+        self.stats.entries -= 1
+
+    def clear(self) -> None:
+        with self._lock:
+            for entry in list(self._entries.values()):
+                self._drop(entry)
