@@ -1,6 +1,7 @@
 """The FastAPI app: OpenAI-compatible routes around one Engine.
 
     POST /v1/chat/completions   (also /chat/completions, for clients whose base URL lacks /v1)
+    POST /v1/completions        legacy text completions (also /completions): app/completions.py
     GET  /v1/models, /v1/models/{id}   the served model id, then its aliases (settings.model_aliases)
     GET  /health                unauthenticated, cheap
     GET  /metrics               Prometheus text, unauthenticated
@@ -18,7 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Header, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from whiflash_core.engine import Engine
 from whiflash_core.prefix_cache import PrefixCache
@@ -28,6 +29,7 @@ from .events import EventBus
 from .limits import RequestBodyLimits, is_too_deep, nesting_too_deep
 from .metrics import Metrics
 from .scheduler import Scheduler
+from .completions import CompletionRequest, CompletionServing
 from .schemas import ChatCompletionRequest, ModelCard, ModelList
 from .serving import ChatServing
 from .settings import Settings
@@ -56,6 +58,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     # the ids a request's `model` may name (absent also means the served model); others are 404s
     model_ids = list(dict.fromkeys([model_name, *settings.model_aliases]))
     serving = ChatServing(engine, scheduler, settings, model_name, model_ids)
+    completions = CompletionServing(serving)
     stats = StatsHub(events)
 
     @asynccontextmanager
@@ -83,23 +86,33 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
 
     api = APIRouter(dependencies=[Depends(_auth_dependency(settings.api_key))])
 
-    # the body is parsed by hand (below), so FastAPI does not know its schema: declared here, with its
-    # $defs moved into the document's components, so the OpenAPI document (and schemathesis) has it
-    body_schema = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
-    body_defs = body_schema.pop("$defs", {})
+    # bodies are parsed by hand (below), so FastAPI does not know their schemas: declared here, with
+    # their $defs moved into the document's components, so the OpenAPI document (and schemathesis) has them
+    body_defs: dict = {}
 
-    @api.post("/v1/chat/completions", openapi_extra={"requestBody": {
-        "required": True, "content": {"application/json": {"schema": body_schema}}}})
-    async def chat_completions(request: Request):
+    def body(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        body_defs.update(schema.pop("$defs", {}))
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+    async def parse(request: Request, model: type[BaseModel]):
         # parsed here rather than by FastAPI so that every failure (malformed JSON included) becomes
         # an OpenAI-shaped 400; RequestBodyLimits has already checked the content type and size
         try:
-            body = ChatCompletionRequest.model_validate_json(await request.body())
+            return model.model_validate_json(await request.body())
         except ValidationError as exc:
             raise (nesting_too_deep(None) if is_too_deep(exc) else validation_error(exc)) from None
-        return await serving.create(body, request)
+
+    @api.post("/v1/chat/completions", openapi_extra=body(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return await serving.create(await parse(request, ChatCompletionRequest), request)
+
+    @api.post("/v1/completions", openapi_extra=body(CompletionRequest))
+    async def text_completions(request: Request):
+        return await completions.create(await parse(request, CompletionRequest), request)
 
     api.add_api_route("/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
+    api.add_api_route("/completions", text_completions, methods=["POST"], include_in_schema=False)
 
     def card(model_id: str) -> ModelCard:
         return ModelCard(id=model_id, root=model_name, max_model_len=engine.max_context,

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from whiflash_core.engine import Engine, Generation, GenerationRequest
+from whiflash_core.logits import TokenLogprob
 
 from .errors import APIError, bad_request, engine_unavailable, internal_error, overloaded
 from .events import EventBus
@@ -40,6 +41,7 @@ class TokenBatch:
     token_ids: list[int]
     sources: list[str]
     round: int
+    logprobs: list[TokenLogprob] | None = None  # per token, when the request asked for logprobs
 
 
 @dataclass
@@ -317,8 +319,9 @@ class Scheduler:
         new = gen.output[slot.delivered:]
         if new:
             sources = gen.sources[slot.delivered:]
+            logprobs = gen.logprobs[slot.delivered:] if gen.request.logprobs is not None else None
             slot.delivered = len(gen.output)
-            handle._push(TokenBatch(new, sources, gen.rounds))
+            handle._push(TokenBatch(new, sources, gen.rounds, logprobs))
             if slot.first_token_at is None:
                 slot.first_token_at = time.perf_counter()
                 if self.metrics:

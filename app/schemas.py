@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import fields
-from typing import Any, ClassVar, Literal, get_type_hints
+from typing import Annotated, Any, ClassVar, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_serializer
 
@@ -20,6 +20,9 @@ from whiflash_core.config import SpeculationConfig, api_fields, speculation_fiel
 from .limits import stop_error
 
 # --- request -----------------------------------------------------------------------------------
+
+MAX_CHOICES = 16        # `n`: each choice is a generation of its own
+MAX_TOP_LOGPROBS = 20   # OpenAI's bound on `top_logprobs`
 
 
 class _Lenient(BaseModel):
@@ -128,26 +131,24 @@ def _speculation_params() -> type[BaseModel]:
 SpeculationParams = _speculation_params()
 
 
-class ChatCompletionRequest(_Lenient):
+class SamplingRequest(_Lenient):
+    """The fields chat completions and legacy completions share."""
     model: str | None = None
-    messages: list[ChatMessage] = Field(min_length=1)
     # scalars are strict, as OpenAI's are: "0.5", "yes", 5.0 for an int are 400s naming the field
     # (an int for a float, e.g. temperature 1, is fine)
     max_tokens: int | None = Field(None, ge=1, strict=True)
-    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
     temperature: float | None = Field(None, ge=0.0, le=2.0, strict=True)
     top_p: float | None = Field(None, gt=0.0, le=1.0, strict=True)
     top_k: int | None = Field(None, ge=0, strict=True)  # vLLM/SGLang extension
-    n: int | None = Field(None, ge=1, strict=True)
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, strict=True)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(2**63), lt=2**64, strict=True)
     stream: bool | None = Field(False, strict=True)
     stream_options: StreamOptions | None = None
-    tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = Field(None, strict=True)
-    response_format: ResponseFormat | None = None
-    logprobs: bool | None = Field(None, strict=True)
+    # applied to the target's logits before verification (whiflash_core/logits.py)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, strict=True)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0, strict=True)]] | None = None
     user: str | None = None
     speculation: SpeculationParams | None = None
 
@@ -159,9 +160,28 @@ class ChatCompletionRequest(_Lenient):
             raise ValueError(error)
         return stops
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        for key in bias or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys are token ids, got {key!r}")
+        return bias
+
     @property
     def unknown_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, strict=True)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = Field(None, strict=True)
+    response_format: ResponseFormat | None = None
+    logprobs: bool | None = Field(None, strict=True)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
 
 
 # --- response ----------------------------------------------------------------------------------
@@ -217,11 +237,26 @@ class ResponseMessage(_OmitNone):
     tool_calls: list[ResponseToolCall] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None = None
+    refusal: list[TokenLogprobOut] | None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 def _created() -> int:
@@ -265,7 +300,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ChatCompletionChunk(_OmitNone):

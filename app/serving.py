@@ -23,23 +23,26 @@ from sse_starlette import EventSourceResponse
 
 from whiflash_core.chat import encode_chat
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
+from whiflash_core.logits import LogitAdjustments
 from whiflash_core.sampling import SamplingParams
 
 from .errors import APIError, bad_request, context_length_exceeded, internal_error, model_not_found
+from .choices import ChoiceState, cancel_all, collect, merged, submit_all
+from .choices import stats as choice_stats, usage as choice_usage
 from .grammar_jobs import GrammarJobs
 from .limits import certainly_too_long, check_nesting, check_tools, longest_token_chars, text_chars
+from .logprobs import LogprobFormatter
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
-from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChunkChoice,
-                      CompletionTokensDetails, DeltaMessage, NamedToolChoice, PromptTokensDetails, ResponseFunction,
-                      ResponseMessage, ResponseToolCall, Usage)
+from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
+                      ChunkChoice, DeltaMessage, NamedToolChoice, ResponseFunction, ResponseMessage,
+                      ResponseToolCall, SamplingRequest, Usage)
 from .settings import Settings
 from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id, parse_tool_calls
 
 log = logging.getLogger(__name__)
 
 SSE_PING_SECONDS = 15  # comment lines (": ping"), which every SSE client ignores
-DISCONNECT_POLL_SECONDS = 0.1  # a non-streaming request checks this often whether its client is still there
 
 
 @dataclass
@@ -47,14 +50,15 @@ class Prepared:
     """A validated request, ready to submit."""
     id: str
     created: int
-    generation: GenerationRequest
+    generations: list[GenerationRequest]  # one per choice (`n`)
     stream: bool
     include_usage: bool
     stop: list[str]
     parse_tools: bool
     parallel_tool_calls: bool
+    logprobs: bool
     info: dict[str, Any]  # request facts for the event feed
-    grammar: GrammarJob | None = None  # compiled into generation.constraint before submitting
+    grammar: GrammarJob | None = None  # compiled into each choice's constraint in `create`, in grammar_jobs
 
 
 @dataclass
@@ -71,6 +75,7 @@ class ChatServing:
         self.model_name = model_name
         self.model_ids = set(model_ids or [model_name])  # the served name and its aliases
         self._grammars = None
+        self.logprob_format = LogprobFormatter(engine.tokenizer)
         self.grammar_jobs = GrammarJobs(settings.grammar_timeout, settings.grammar_queue)
 
     # -- validation and request building --------------------------------------------------------
@@ -85,7 +90,7 @@ class ChatServing:
         if self._grammars is None:  # xgrammar's tokenizer tables are built on first use
             from whiflash_core.constraints import GrammarFactory
 
-            self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.target.cfg.vocab_size,
+            self._grammars = GrammarFactory(self.engine.tokenizer, self.engine.vocab_size,
                                             self.engine.eos_ids, self.settings.grammar_cache_bytes)
         return self._grammars
 
@@ -108,10 +113,8 @@ class ChatServing:
         chars = text_chars(fields["messages"]) + text_chars(fields.get("tools"))
         if certainly_too_long(chars, self.engine.max_context, self.token_chars):
             raise context_length_exceeded(f"at least {-(-chars // self.token_chars)}", self.engine.max_context)
-        if req.n not in (None, 1):
-            raise bad_request("Only n=1 is supported.", "n", "unsupported_value")
-        if req.logprobs:
-            raise bad_request("logprobs are not supported.", "logprobs", "unsupported_value")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
 
         tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []]
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
@@ -137,22 +140,44 @@ class ChatServing:
         wanted = req.max_completion_tokens or req.max_tokens or self.settings.default_max_tokens or room
         max_new = min(wanted, room)
 
-        temperature = req.temperature if req.temperature is not None else self.settings.default_temperature
-        top_p = req.top_p if req.top_p is not None else self.settings.default_top_p
-        seed = None if req.seed is None else req.seed % 2**63
-        sampling = SamplingParams(temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed)
-
+        adjustments = self.adjustments(req)
+        logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        # one generation per choice, each with its own grammar state (compiled in `create`) and seed
+        # (seed + i: reproducible, distinct)
+        generations = [GenerationRequest(ids, max_new, self.sampling(req, i), spec, adjustments=adjustments,
+                                         logprobs=logprobs) for i in range(req.n or 1)]
+        temperature = generations[0].sampling.temperature
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         return Prepared(
-            id=request_id, created=int(time.time()),
-            generation=GenerationRequest(ids, max_new, sampling, spec), grammar=grammar,
-            stream=bool(req.stream),
-            include_usage=bool(req.stream and ((req.stream_options and req.stream_options.include_usage)
-                                               or self.settings.force_include_usage)),
+            id=request_id, created=int(time.time()), generations=generations, grammar=grammar,
+            stream=bool(req.stream), include_usage=self.include_usage(req),
             stop=list(req.stop or []), parse_tools=choice != "none", parallel_tool_calls=parallel,
+            logprobs=logprobs is not None,
             info={"temperature": temperature, "stream": bool(req.stream), "tools": len(tools),
                   # `user` is the client's own identifier of its end user: never published on the feed
                   "tool_choice": choice if isinstance(choice, str) else "named"})
+
+    # -- fields chat and legacy completions share (completions.py reuses these) --------------------
+
+    def sampling(self, req: SamplingRequest, choice: int = 0) -> SamplingParams:
+        temperature = req.temperature if req.temperature is not None else self.settings.default_temperature
+        top_p = req.top_p if req.top_p is not None else self.settings.default_top_p
+        seed = None if req.seed is None else (req.seed + choice) % 2**63
+        return SamplingParams(temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed)
+
+    def adjustments(self, req: SamplingRequest) -> LogitAdjustments:
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        if bias and max(bias) >= (vocab := self.engine.vocab_size):
+            raise bad_request(f"logit_bias names a token id outside the vocabulary (0..{vocab - 1}).", "logit_bias")
+        return LogitAdjustments(req.presence_penalty or 0.0, req.frequency_penalty or 0.0, bias)
+
+    def include_usage(self, req: SamplingRequest) -> bool:
+        return bool(req.stream and ((req.stream_options and req.stream_options.include_usage)
+                                    or self.settings.force_include_usage))
+
+    def check_model(self, req: SamplingRequest) -> None:
+        if req.model is not None and req.model not in self.model_ids:
+            raise model_not_found(req.model)
 
     def _encode(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         try:
@@ -160,7 +185,7 @@ class ChatServing:
         except Exception as exc:  # e.g. a template's raise_exception(): the request's fault, not ours
             raise bad_request(f"Could not render the chat template: {exc}", "messages") from exc
 
-    def _speculation(self, req: ChatCompletionRequest) -> SpeculationConfig:
+    def _speculation(self, req: SamplingRequest) -> SpeculationConfig:
         """The server's defaults (settings), overridden by the request's `speculation` fields."""
         p = req.speculation
         method = (p.method if p and p.method else None) or self.default_method()
@@ -173,30 +198,45 @@ class ChatServing:
 
     def _constraint(self, req: ChatCompletionRequest, tools: list[dict], choice, named: str | None,
                     parallel: bool) -> GrammarJob | None:
-        """What to compile for the request's tool_choice / response_format (None: nothing). The
-        schemas' bounds are checked here; the compilation itself runs later, in `grammar_jobs`."""
-        fmt = req.response_format
-        wants_json = fmt is not None and fmt.type != "text"
-        forced_tools = choice == "required" or named is not None
-        if wants_json and forced_tools:
-            raise bad_request("response_format cannot be combined with a required or named tool_choice.",
-                              "response_format")
-        if forced_tools:
-            chosen = [t for t in tools if named is None or t["function"]["name"] == named]
-            for i, tool in enumerate(chosen):
-                self._check_schema(tool["function"].get("parameters") or {}, f"tools[{i}].function.parameters")
-            return GrammarJob("tools", lambda: self.grammars.tool_calls(chosen, parallel and named is None))
-        if wants_json and fmt.type == "json_object":
-            return GrammarJob("response_format", lambda: self.grammars.json_object())
-        if wants_json:
-            spec = fmt.json_schema
-            schema = spec.schema_ if spec is not None else fmt.schema_
-            if schema is None:
-                raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
+        """What to compile for this request, if anything. The schemas' bounds are checked here; the
+        compilation itself runs later, in `grammar_jobs`:
+        required / named tool_choice   a call is forced (a structured answer can only come in a later turn)
+        auto with tools                free text, and a call once the model opens one (lazy grammar);
+                                       with response_format: tool calls or the structured answer
+        response_format alone          the JSON answer
+        """
+        schema, strict = self._answer_schema(req.response_format)
+        if schema is not None:
             self._check_schema(schema, "response_format")
-            strict = spec.strict is not False if spec else True
+        if choice == "required" or named is not None:
+            chosen = [t for t in tools if named is None or t["function"]["name"] == named]
+            self._check_tool_schemas(chosen)
+            return GrammarJob("tools", lambda: self.grammars.tool_calls(chosen, parallel and named is None))
+        if tools and choice == "auto" and self.settings.lazy_tool_grammar:
+            self._check_tool_schemas(tools)
+            if schema is not None:
+                return GrammarJob("tools", lambda: self.grammars.tool_calls_or_json(tools, parallel, schema))
+            return GrammarJob("tools", lambda: self.grammars.lazy_tool_calls(tools, parallel))
+        if schema is not None:
             return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict))
         return None
+
+    @staticmethod
+    def _answer_schema(fmt) -> tuple[dict | bool | None, bool]:
+        """(JSON schema, strict) that response_format asks the answer to follow; (None, _) for text."""
+        if fmt is None or fmt.type == "text":
+            return None, True
+        if fmt.type == "json_object":
+            return {"type": "object"}, True
+        spec = fmt.json_schema
+        schema = spec.schema_ if spec is not None else fmt.schema_
+        if schema is None:
+            raise bad_request("response_format json_schema needs a schema.", "response_format.json_schema")
+        return schema, spec.strict is not False if spec else True
+
+    def _check_tool_schemas(self, tools: list[dict]) -> None:
+        for i, tool in enumerate(tools):
+            self._check_schema(tool["function"].get("parameters") or {}, f"tools[{i}].function.parameters")
 
     @staticmethod
     def _check_schema(schema, param: str) -> None:
@@ -218,22 +258,23 @@ class ChatServing:
     # -- entry point ----------------------------------------------------------------------------
 
     async def create(self, req: ChatCompletionRequest, http: Request):
-        if req.model is not None and req.model not in self.model_ids:
-            raise model_not_found(req.model)
+        self.check_model(req)
         prepared = await asyncio.to_thread(self.prepare, req)
-        prepared.generation.cache_namespace = self._tenant(http)
-        if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
-            job = prepared.grammar
-            prepared.generation.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
-        handle = self.scheduler.submit(prepared.generation, prepared.id, prepared.info)
+        namespace = self.tenant(http)
+        for gen in prepared.generations:
+            gen.cache_namespace = namespace
+            if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
+                job = prepared.grammar
+                gen.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
+        handles = submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info)
         if prepared.stream:
-            return EventSourceResponse(self._stream(prepared, handle), sep="\n", ping=SSE_PING_SECONDS)
+            return EventSourceResponse(self._stream(prepared, handles), sep="\n", ping=SSE_PING_SECONDS)
         try:
-            return await self._complete(prepared, handle, http)
+            return await self._complete(prepared, handles, http)
         finally:
-            handle.cancel("abort")  # no-op when finished; stops the engine if we leave early
+            cancel_all(handles)  # stops the engine if we leave early
 
-    def _tenant(self, http: Request) -> str:
+    def tenant(self, http: Request) -> str:
         """The prefix-cache namespace of a request: its API key (hashed), when keys are required, so
         one tenant cannot probe another's prompts through cache timing."""
         if self.settings.api_key is None:
@@ -242,68 +283,27 @@ class ChatServing:
 
     # -- non-streaming ----------------------------------------------------------------------------
 
-    async def _complete(self, p: Prepared, handle: RequestHandle, http: Request) -> JSONResponse:
-        acc = TextAccumulator(self.engine.tokenizer, p.stop)
-        finished: Finished | None = None
-        watcher = asyncio.create_task(self._cancel_on_disconnect(http, handle))
-        try:
-            while finished is None:
-                item = await handle.get()
-                if isinstance(item, TokenBatch):
-                    if not acc.stopped:
-                        acc.add(item.token_ids)
-                        if acc.stopped:
-                            handle.cancel("stop")
-                elif isinstance(item, Failed):
-                    raise item.error
-                else:
-                    finished = item
-        finally:
-            watcher.cancel()
-        if handle.cancel_reason == "abort":  # the client left: nobody reads the answer
-            raise APIError("client disconnected", 499, "invalid_request_error", None, "client_closed")
-        acc.finish()
-        text = acc.text
+    async def _complete(self, p: Prepared, handles: list[RequestHandle], http: Request) -> JSONResponse:
+        states = await asyncio.gather(*(collect(h, ChoiceState(TextAccumulator(self.engine.tokenizer, p.stop)), http)
+                                        for h in handles))
+        choices = [self._choice(p, i, state) for i, state in enumerate(states)]
+        body = ChatCompletionResponse(
+            id=p.id, created=p.created, model=self.model_name, choices=choices,
+            usage=choice_usage(states, len(p.generations[0].prompt_ids)), speculation=choice_stats(states))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    def _choice(self, p: Prepared, index: int, state: ChoiceState) -> Choice:
+        text = state.acc.text
         if p.parse_tools:
             content, calls = parse_tool_calls(text, p.parallel_tool_calls)
         else:
             content, calls = text, []
-        reason = self._finish_reason(finished, acc, bool(calls), p.parse_tools)
+        reason = self._finish_reason(state.finished, state.acc, bool(calls), p.parse_tools)
         message = ResponseMessage(content=content, tool_calls=[
             ResponseToolCall(id=new_tool_call_id(), function=ResponseFunction(name=c.name, arguments=c.arguments))
             for c in calls] or None)
-        body = ChatCompletionResponse(
-            id=p.id, created=p.created, model=self.model_name,
-            choices=[Choice(message=message, finish_reason=reason)],
-            usage=self._usage(finished, acc), speculation=self._stats(finished))
-        return JSONResponse(body.model_dump(mode="json"))
-
-    @staticmethod
-    async def _cancel_on_disconnect(http: Request, handle: RequestHandle) -> None:
-        """Polls the connection while the request waits or generates, so a client that leaves is
-        noticed within DISCONNECT_POLL_SECONDS whether or not tokens are flowing (a streaming
-        response notices through sse-starlette instead)."""
-        while not await http.is_disconnected():
-            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
-        handle.cancel("abort")
-
-    @staticmethod
-    def _stats(finished: Finished) -> dict:
-        """The engine's per-request stats plus its timing (prefill, draft, verify, ... seconds), so
-        `whiflash bench --url` can separate decode speed from gateway overhead."""
-        return {**finished.stats, "timing": finished.timing}
-
-    @staticmethod
-    def _usage(finished: Finished, acc: TextAccumulator) -> Usage:
-        completion = acc.num_tokens if acc.stopped else finished.completion_tokens
-        drafters = (finished.stats.get("drafters") or {}).values()
-        drafted = sum(d.get("draft_tokens", 0) for d in drafters)
-        accepted = sum(d.get("accepted_tokens", 0) for d in drafters)
-        return Usage(prompt_tokens=finished.prompt_tokens, completion_tokens=completion,
-                     total_tokens=finished.prompt_tokens + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=finished.cached_tokens),
-                     completion_tokens_details=CompletionTokensDetails(
-                         accepted_prediction_tokens=accepted, rejected_prediction_tokens=drafted - accepted))
+        logprobs = self.logprob_format.chat(state.logprobs) if p.logprobs else None
+        return Choice(index=index, message=message, finish_reason=reason, logprobs=logprobs)
 
     @staticmethod
     def _finish_reason(finished: Finished, acc: TextAccumulator, has_calls: bool, parse_tools: bool) -> str:
@@ -318,57 +318,52 @@ class ChatServing:
     # -- streaming ------------------------------------------------------------------------------
 
     def _chunk(self, p: Prepared, delta: DeltaMessage | None, finish_reason: str | None = None,
-               usage: Usage | None = None, speculation: dict | None = None) -> str:
-        choices = [] if delta is None else [ChunkChoice(delta=delta, finish_reason=finish_reason)]
+               usage: Usage | None = None, speculation: dict | None = None, index: int = 0,
+               logprobs: ChoiceLogprobs | None = None) -> str:
+        choices = [] if delta is None else [ChunkChoice(index=index, delta=delta, finish_reason=finish_reason,
+                                                        logprobs=logprobs)]
         chunk = ChatCompletionChunk(id=p.id, created=p.created, model=self.model_name, choices=choices,
                                     usage=usage, speculation=speculation)
         return chunk.model_dump_json()
 
-    async def _stream(self, p: Prepared, handle: RequestHandle) -> AsyncIterator[str]:
-        acc = TextAccumulator(self.engine.tokenizer, p.stop)
-        tools = StreamingToolParser(p.parallel_tool_calls) if p.parse_tools else None
-        sent = 0
-
-        def delta(final: bool) -> DeltaMessage | None:
-            nonlocal sent
-            text = acc.visible(final)
-            if tools is not None:
-                content, calls = tools.update(text, final)
-            else:
-                content, calls = text[sent:], []
-                sent = len(text)
-            if not content and not calls:
-                return None
-            return DeltaMessage(content=content or None, tool_calls=calls or None)
-
+    async def _stream(self, p: Prepared, handles: list[RequestHandle]) -> AsyncIterator[str]:
+        choices = [_StreamedChoice(ChoiceState(TextAccumulator(self.engine.tokenizer, p.stop)),
+                                   StreamingToolParser(p.parallel_tool_calls) if p.parse_tools else None)
+                   for _ in handles]
         try:
-            yield self._chunk(p, DeltaMessage(role="assistant", content=""))
-            finished = None
-            async for item in handle:
+            for i in range(len(handles)):
+                yield self._chunk(p, DeltaMessage(role="assistant", content=""), index=i)
+            async for i, item in merged(handles):
+                c = choices[i]
                 if isinstance(item, TokenBatch):
-                    if acc.stopped:
+                    if c.state.acc.stopped:
                         continue
-                    acc.add(item.token_ids)
-                    if acc.stopped:
-                        handle.cancel("stop")
-                    d = delta(final=False)
-                    if d is not None:
-                        yield self._chunk(p, d)
+                    used = c.state.add(item)
+                    if c.state.acc.stopped:
+                        handles[i].cancel("stop")
+                    d = c.delta(final=False)
+                    logprobs = self.logprob_format.chat(used) if p.logprobs and used else None
+                    if d is not None or logprobs is not None:
+                        yield self._chunk(p, d or DeltaMessage(), index=i, logprobs=logprobs)
                 elif isinstance(item, Failed):
                     yield json.dumps(item.error.body())
                     yield "[DONE]"
                     return
                 else:
-                    finished = item
-            acc.finish()
-            d = delta(final=True)
-            if d is not None:
-                yield self._chunk(p, d)
-            reason = self._finish_reason(finished, acc, bool(tools and tools.calls), p.parse_tools)
-            stats = self._stats(finished)
-            yield self._chunk(p, DeltaMessage(), reason, speculation=None if p.include_usage else stats)
+                    c.state.finished = item
+                    c.state.acc.finish()
+                    d = c.delta(final=True)
+                    if d is not None:
+                        yield self._chunk(p, d, index=i)
+                    reason = self._finish_reason(item, c.state.acc, bool(c.tools and c.tools.calls), p.parse_tools)
+                    stats = None if p.include_usage or len(handles) > 1 else choice_stats([c.state])
+                    yield self._chunk(p, DeltaMessage(), reason, index=i, speculation=stats)
+            states = [c.state for c in choices]
             if p.include_usage:
-                yield self._chunk(p, None, usage=self._usage(finished, acc), speculation=stats)
+                yield self._chunk(p, None, usage=choice_usage(states, len(p.generations[0].prompt_ids)),
+                                  speculation=choice_stats(states))
+            elif len(handles) > 1:  # the per-choice stats, once every choice has finished
+                yield self._chunk(p, None, speculation=choice_stats(states))
             yield "[DONE]"
         except asyncio.CancelledError:  # client went away (sse-starlette cancels us)
             raise
@@ -377,4 +372,23 @@ class ChatServing:
             yield json.dumps(internal_error(f"stream failed: {type(exc).__name__}: {exc}").body())
             yield "[DONE]"
         finally:
-            handle.cancel("abort")
+            cancel_all(handles)
+
+
+@dataclass
+class _StreamedChoice:
+    """One choice of a streamed response: its text and what of it has been sent."""
+    state: ChoiceState
+    tools: StreamingToolParser | None
+    sent: int = 0
+
+    def delta(self, final: bool) -> DeltaMessage | None:
+        text = self.state.acc.visible(final)
+        if self.tools is not None:
+            content, calls = self.tools.update(text, final)
+        else:
+            content, calls = text[self.sent:], []
+            self.sent = len(text)
+        if not content and not calls:
+            return None
+        return DeltaMessage(content=content or None, tool_calls=calls or None)

@@ -55,6 +55,9 @@ class Settings(BaseSettings):
     default_top_p: float = Field(1.0, gt=0.0, le=1.0)
     force_include_usage: bool = False
     parallel_tool_calls: bool = Field(False, description="default when a request does not say")
+    lazy_tool_grammar: bool = Field(
+        True, description="tool_choice auto: constrain a call once the model writes <tool_call> "
+                          "(off: free output, parsed afterwards)")
 
     # speculation defaults (a request's `speculation` object overrides them); defaults, bounds and
     # help come from whiflash_core.config.SpeculationConfig

@@ -11,6 +11,11 @@ GRAMMAR_CACHE_BYTES; `check_schema` bounds what one request may ask to compile):
 * tool calls in the Hermes format that `chat.render_chat` asks the model for:
   `<tool_call>\\n{"name": "<name>", "arguments": <json matching the tool's parameters>}\\n</tool_call>`,
   one call (a named `tool_choice`, or `parallel_tool_calls=false`) or several separated by a newline;
+* lazily constrained tool calls (`tool_choice: auto`, llama.cpp's lazy grammars, xgrammar's
+  triggered tags): text is free until the model writes `<tool_call>`, then the call must be one of
+  the tools with arguments matching its schema; free text may not write tool markup of its own
+  (`</tool_call>`, `<tool_response>`), which a small model otherwise echoes from the prompt;
+* "tool calls or the structured answer" (`response_format` together with tools under `auto`);
 * any JSON object (`response_format: json_object`);
 * a JSON schema (`response_format: json_schema`).
 
@@ -24,7 +29,8 @@ from typing import Any
 
 import torch
 import xgrammar as xgr
-from xgrammar.structural_tag import JSONSchemaFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat
+from xgrammar.structural_tag import (JSONSchemaFormat, OrFormat, StructuralTag, TagFormat, TagsWithSeparatorFormat,
+                                     TriggeredTagsFormat)
 
 from .chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
@@ -118,8 +124,14 @@ class GrammarConstraint:
         return self.matcher.is_terminated()
 
 
-def tool_call_structural_tag(tools: list[dict], parallel: bool = True) -> StructuralTag:
-    """Hermes tool calls restricted to `tools` (OpenAI `{"type": "function", "function": {...}}`)."""
+# markup the model must not write as free text under `auto`: the prompt shows it tool results in
+# <tool_response> and the tools in <tools>, and a small model echoes them (also as "<tool_response_json>").
+# Excluding all of "<tool_" would exclude the trigger "<tool_call>" too.
+FREE_TEXT_EXCLUDES = ["<tool_response", "<tool_result", "</tool_", "<tools>", "</tools>"]
+
+
+def _tool_tags(tools: list[dict]) -> list[TagFormat]:
+    """One Hermes call per tool (OpenAI `{"type": "function", "function": {...}}`), arguments per its schema."""
     tags = []
     for tool in tools:
         fn = tool.get("function", tool)
@@ -129,10 +141,32 @@ def tool_call_structural_tag(tools: list[dict], parallel: bool = True) -> Struct
             content=JSONSchemaFormat(json_schema=params, max_whitespace_cnt=MAX_JSON_WHITESPACE),
             end=f"}}\n{TOOL_CALL_CLOSE}",
         ))
+    return tags
+
+
+def _forced_calls(tools: list[dict], parallel: bool):
+    tags = _tool_tags(tools)
     if len(tags) == 1 and not parallel:
-        return StructuralTag(format=tags[0])
-    return StructuralTag(format=TagsWithSeparatorFormat(
-        tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel))
+        return tags[0]
+    return TagsWithSeparatorFormat(tags=tags, separator="\n", at_least_one=True, stop_after_first=not parallel)
+
+
+def tool_call_structural_tag(tools: list[dict], parallel: bool = True) -> StructuralTag:
+    """Hermes tool calls restricted to `tools`: at least one (required / named tool_choice)."""
+    return StructuralTag(format=_forced_calls(tools, parallel))
+
+
+def lazy_tool_call_structural_tag(tools: list[dict], parallel: bool = True) -> StructuralTag:
+    """Free text in which a call, once opened with `<tool_call>`, must be a valid call (tool_choice auto)."""
+    return StructuralTag(format=TriggeredTagsFormat(
+        triggers=[TOOL_CALL_OPEN], tags=_tool_tags(tools), at_least_one=False, stop_after_first=not parallel,
+        excludes=FREE_TEXT_EXCLUDES))
+
+
+def tools_or_json_structural_tag(tools: list[dict], parallel: bool, schema: dict | bool) -> StructuralTag:
+    """Either tool calls or the structured answer (response_format with tools under auto)."""
+    answer = JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=MAX_JSON_WHITESPACE)
+    return StructuralTag(format=OrFormat(elements=[_forced_calls(tools, parallel), answer]))
 
 
 class GrammarFactory:
@@ -151,6 +185,16 @@ class GrammarFactory:
 
     def tool_calls(self, tools: list[dict], parallel: bool = True) -> GrammarConstraint:
         compiled = self.compiler.compile_structural_tag(tool_call_structural_tag(tools, parallel))
+        return self._new(compiled)
+
+    def lazy_tool_calls(self, tools: list[dict], parallel: bool = True) -> GrammarConstraint:
+        with self._lock:
+            compiled = self.compiler.compile_structural_tag(lazy_tool_call_structural_tag(tools, parallel))
+        return self._new(compiled)
+
+    def tool_calls_or_json(self, tools: list[dict], parallel: bool, schema: dict | bool) -> GrammarConstraint:
+        with self._lock:
+            compiled = self.compiler.compile_structural_tag(tools_or_json_structural_tag(tools, parallel, schema))
         return self._new(compiled)
 
     def json_object(self) -> GrammarConstraint:

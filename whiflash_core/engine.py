@@ -30,6 +30,7 @@ from .config import SpeculationConfig
 from .costs import CostModel
 from .drafters.base import Context, Draft, Drafter, DraftSampling
 from .drafters.ngram import NgramDrafter
+from .logits import LogitAdjustments, Penalizer, TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
 from .rounds import Round, RoundTimes, Tally
 from .router import LOOKUP, METHODS, Method, Route, Router, RouterCalibration, available_methods
@@ -63,6 +64,8 @@ class GenerationRequest:
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     stop_token_ids: list[int] | None = None   # default: the model's EOS ids
     constraint: Constraint | None = None
+    adjustments: LogitAdjustments = field(default_factory=LogitAdjustments)  # penalties, logit_bias
+    logprobs: int | None = None   # report each token's log-probability and this many alternatives (None: off)
     cache_namespace: str = ""   # prefix-cache tenant: a request only reuses its own namespace's prefixes
 
 
@@ -104,6 +107,10 @@ class Engine:
     @property
     def max_context(self) -> int:
         return self.target.cfg.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.cfg.vocab_size
 
     def start(self, request: GenerationRequest) -> Generation:
         return Generation(self, request)
@@ -199,6 +206,9 @@ class Generation:
         self.sources: list[str] = []     # per emitted token: its drafter or "target"
         self.rounds_of: list[int] = []   # per emitted token: its round (0 = prefill)
         self.tally = Tally.over(drafters)
+        self.penalizer = Penalizer(request.adjustments, engine.target.cfg.vocab_size) \
+            if request.adjustments.active else None
+        self.logprobs: list[TokenLogprob] = []   # per emitted token, when the request asks for them
         self.last_logits: torch.Tensor | None = None   # target logits [V] at the last verified position
         self.finished = False
         self.finish_reason: str | None = None
@@ -229,11 +239,12 @@ class Generation:
             self.taps[m:p] = out.taps
         self._store_prefix()
         masks = self.request.constraint.masks([]) if self.request.constraint else None
-        _, tok = self._verify(out.logits, None, masks)
+        logits = self._target_logits(out.logits, None)
+        _, tok = self._verify(logits, None, masks)
         self.last_logits = out.logits[-1]
         self.ids[p] = tok
         self.prefill_s += time.perf_counter() - t0
-        self._emit([tok], ["target"], round_index=0)
+        self._emit([tok], ["target"], round_index=0, logits=logits)
 
     def _reuse_cached_prefix(self) -> int:
         """Copy the longest cached prefix of the prompt (at most p - 1 tokens) into this request's
@@ -312,7 +323,8 @@ class Generation:
         # prefix d1..da the target agrees with (greedy: d_i = argmax p_i; sampling: accept d_i with
         # prob min(1, p_i(d_i) / q_i(d_i))) plus one token of its own from row a+1: the correction
         # (sampled from the residual max(0, p - q), renormalised) or, when a = k, the bonus.
-        a, nxt = self._verify(out.logits, draft, masks)
+        logits = self._target_logits(out.logits, draft)   # penalties and logit_bias, row by row
+        a, nxt = self._verify(logits, draft, masks)
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
         self.cache.rollback(n + a + 1)
         if self.tap_layers:
@@ -323,7 +335,7 @@ class Generation:
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
                   times=clock.times, fallback_from=plan.failed)
-        r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index)
+        r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index, logits)
         self.router.observe(route, r)
         self.tally.add(r)
         return r
@@ -367,6 +379,12 @@ class Generation:
         taps[: self.taps.shape[0]] = self.taps
         self.ids, self.taps = ids, taps
 
+    def _target_logits(self, logits: torch.Tensor, draft: Draft | None) -> torch.Tensor:
+        """The request's target distribution (penalties, logit_bias) at each verified row."""
+        if self.penalizer is None:
+            return logits
+        return self.penalizer.apply(logits, draft.tokens if draft is not None else self.ids[:0])
+
     def _verify(self, logits: torch.Tensor, draft: Draft | None, masks: torch.Tensor | None) -> tuple[int, int]:
         """(accepted a, next token) for a draft (None: no draft) against target logits [k+1, V];
         grammar masks [m, V] cut the rows to those the grammar allows."""
@@ -380,8 +398,10 @@ class Generation:
         q = None if draft is None or draft.probs is None else draft.probs[: tokens.shape[0]]
         return verify_sampling(tokens, q, probs, self.generator)
 
-    def _emit(self, tokens: list[int], sources: list[str], round_index: int) -> tuple[int, list[int], list[str]]:
+    def _emit(self, tokens: list[int], sources: list[str], round_index: int,
+              logits: torch.Tensor) -> tuple[int, list[int], list[str]]:
         """Append tokens up to a stop token or max_tokens; finish the request when it is done.
+        `logits` [>= len(tokens), V]: the target rows that chose them (for penalties and logprobs).
         Returns (tokens decided: the kept ones plus a stop token, kept tokens, their sources)."""
         reason = None
         kept = len(self.output)
@@ -398,6 +418,10 @@ class Generation:
             self.rounds_of.append(round_index)
             decided += 1
         new, new_sources = self.output[kept:], self.sources[kept:]
+        if self.penalizer is not None:
+            self.penalizer.add(new)
+        if self.request.logprobs is not None and new:
+            self.logprobs += token_logprobs(logits, new, self.request.logprobs)
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         constraint = self.request.constraint

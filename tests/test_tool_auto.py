@@ -1,0 +1,129 @@
+"""Tool calls under `tool_choice: auto` (issue 17): the lazy grammar, and response_format with tools.
+
+Grammar level (the real tokenizer, no model): text is free, a call once opened must be one of the
+tools with schema-valid arguments, tool markup is not free text, and "tool calls or the structured
+answer" admits exactly those two. Server level (conftest's float32 live server, official client):
+what the model answers under auto is a parseable call or clean text, the same streamed or not and
+for every method."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from test_gateway import MODEL, TOOLS, WEATHER_Q, check_args
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
+          "required": ["city", "sunny"], "additionalProperties": False}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def grammars():
+    from transformers import AutoTokenizer
+
+    from whiflash_core.constraints import GrammarFactory
+    from whiflash_core.loading import model_location
+
+    path, gguf = model_location(None)
+    tok = AutoTokenizer.from_pretrained(path, **({"gguf_file": gguf} if gguf else {}))
+    eos = [tok.eos_token_id]
+    return tok, GrammarFactory(tok, len(tok), eos), eos[0]
+
+
+def accepts(tok, constraint, text: str) -> bool:
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return constraint.masks(ids).shape[0] == len(ids) + 1  # a row per accepted token, plus the next
+
+
+def may_end(tok, constraint, text: str, eos: int) -> bool:
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    masks = constraint.masks(ids)
+    return masks.shape[0] == len(ids) + 1 and bool(masks[-1, eos])
+
+
+def test_lazy_grammar_leaves_text_free_and_constrains_a_call_once_opened(grammars):
+    tok, g, eos = grammars
+    lazy = g.lazy_tool_calls(TOOLS, parallel=False)
+    assert may_end(tok, lazy, "The weather in Paris is sunny, 22 °C. {json: [not checked]}", eos)
+    assert may_end(tok, lazy, "Let me check.\n" + CALL, eos)
+    assert accepts(tok, lazy, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}')
+    assert not accepts(tok, lazy, '<tool_call>\n{"name": "get_time", ')               # not a tool
+    assert not accepts(tok, lazy, '<tool_call>\n{"name": "add", "arguments": {"a": "one"')  # not its schema
+    assert not accepts(tok, lazy, '<tool_call>\nSure, the weather')                    # not a call body
+    assert not may_end(tok, lazy, '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}', eos)  # unclosed
+    for markup in ("<tool_response>\n{}", "<tool_response_json>", "done </tool_call>", "ok </tool_response>",
+                   "<tools>"):  # echoed prompt markup
+        assert not accepts(tok, lazy, markup), markup
+    # parallel false: one call ends the turn; parallel true: more may follow
+    assert not accepts(tok, lazy, CALL + "\n<tool_call>")
+    assert accepts(tok, g.lazy_tool_calls(TOOLS, parallel=True), CALL + "\n" + CALL)
+
+
+def test_tools_or_structured_answer(grammars):
+    tok, g, eos = grammars
+    either = g.tool_calls_or_json(TOOLS, False, SCHEMA)
+    assert may_end(tok, either, '{"city": "Paris", "sunny": true}', eos)
+    assert may_end(tok, either, CALL, eos)
+    assert not accepts(tok, either, "The weather is")
+    assert not accepts(tok, either, '{"city": "Paris", "rain": ')
+
+
+# --- against the live server -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    return live_server.client()
+
+
+def ask(client, messages, method="whiflash", stream=False, **kw):
+    kw = dict(model=MODEL, messages=messages, max_tokens=48, temperature=0, tools=TOOLS,
+              extra_body={"speculation": {"method": method}}, **kw)
+    if not stream:
+        r = client.chat.completions.create(**kw)
+        m = r.choices[0].message
+        return m.content, [(c.function.name, c.function.arguments) for c in m.tool_calls or []], r.choices[0].finish_reason
+    with client.chat.completions.stream(**kw) as s:
+        final = s.get_final_completion()
+    m = final.choices[0].message
+    # the stream's first chunk carries content "" with the role, so the helper's message has "" for None
+    return m.content or None, [(c.function.name, c.function.arguments) for c in m.tool_calls or []], \
+        final.choices[0].finish_reason
+
+
+AFTER_RESULT = WEATHER_Q + [
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 22 degrees Celsius."}]
+
+
+@pytest.mark.parametrize("messages", [WEATHER_Q, AFTER_RESULT], ids=["question", "after-result"])
+def test_auto_gives_a_valid_call_or_clean_text_streamed_or_not_for_every_method(client, messages):
+    expected = ask(client, messages, "none")
+    content, calls, reason = expected
+    for name, arguments in calls:
+        check_args(name, arguments)
+    assert reason == ("tool_calls" if calls else reason)
+    if not calls:
+        assert content and not any(m in content for m in ("<tool_response", "</tool_", "<tools>")), content
+    assert ask(client, messages, "whiflash") == expected
+    assert ask(client, messages, "whiflash", stream=True) == expected
+
+
+def test_response_format_with_tools(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}}
+    content, calls, reason = ask(client, WEATHER_Q, response_format=fmt)
+    if calls:
+        assert reason == "tool_calls"
+        for name, arguments in calls:
+            check_args(name, arguments)
+    else:
+        answer = json.loads(content)
+        assert set(answer) == {"city", "sunny"} and isinstance(answer["sunny"], bool)
+    # a required call together with response_format: the call now, the structured answer in a later turn
+    content, calls, reason = ask(client, WEATHER_Q, response_format=fmt, tool_choice="required")
+    assert reason == "tool_calls" and calls and calls[0][0] in {"get_weather", "add"}
+    # after the tool result, the structured answer (or another call) under auto
+    content, calls, _ = ask(client, AFTER_RESULT, response_format=fmt)
+    assert calls or set(json.loads(content)) == {"city", "sunny"}
