@@ -130,8 +130,8 @@ class CompletionServing:
     async def create(self, req: CompletionRequest, http: Request):
         self.chat.check_model(req)
         p = await asyncio.to_thread(self.prepare, req)
-        info = {"temperature": p.generations[0].sampling.temperature, "stream": p.stream, "endpoint": "completions",
-                "user": req.user}
+        # `user` is the client's own identifier of its end user: never published on the feed
+        info = {"temperature": p.generations[0].sampling.temperature, "stream": p.stream, "endpoint": "completions"}
         namespace = self.chat.tenant(http)
         for gen in p.generations:
             gen.cache_namespace = namespace

@@ -16,6 +16,9 @@ code fails every open request with a 503 and marks the server unhealthy (`_run`)
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
+import functools
 import logging
 import threading
 import time
@@ -103,6 +106,24 @@ class RequestHandle:
         if isinstance(item, (Finished, Failed)):
             self.done = True
         return item
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc's malloc_trim). A finished request's KV cache, and
+    the float32 scratch copies of long prefills, are freed into the allocator's arenas, which glibc
+    keeps: without a trim the server's RSS stays at its busiest level after a burst. A no-op where
+    the C library has no malloc_trim (musl, macOS)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
 
 
 @dataclass
@@ -221,6 +242,8 @@ class Scheduler:
     def _serve(self) -> None:
         while True:
             with self._cv:
+                if not self._stopping and not self._waiting and not self._active:
+                    release_free_memory()   # idle: hand the finished requests' caches back to the OS
                 while not self._stopping and not self._waiting and not self._active:
                     self._cv.wait()
                 if self._stopping:

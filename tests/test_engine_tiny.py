@@ -148,7 +148,7 @@ def test_trace_records_source_and_round_of_every_token():
     for r in range(1, stats["rounds"]):
         srcs = [t["source"] for t in stats["tokens"] if t["round"] == r]
         assert srcs[-1] == "target" and srcs.count("target") == 1
-    assert set(t["source"] for t in stats["tokens"]) <= {"target", "eagle3", "dflash"}
+    assert set(t["source"] for t in stats["tokens"]) <= {"target", "eagle3", "dflash", "ngram"}
 
 
 def test_stop_token_and_max_tokens():

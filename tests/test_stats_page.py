@@ -74,6 +74,7 @@ class ReplayGeneration:
         self.tally = Tally.over(self.DRAFTERS)
         self.rounds = 0
         self.finished, self.finish_reason = False, None
+        self.cached_tokens = 0
 
     def _emit(self, n, drafter=None):
         take = self.script[len(self.output):len(self.output) + n][: self.request.max_new_tokens - len(self.output)]
@@ -120,6 +121,16 @@ class FakeEngine:
 
     def start(self, request):
         return ReplayGeneration(self, request)
+
+    def step_many(self, gens):
+        """As Engine.step_many: a round each, one request's exception in its place."""
+        results = []
+        for gen in gens:
+            try:
+                results.append(gen.step())
+            except Exception as exc:
+                results.append(exc)
+        return results
 
 
 def free_port() -> int:

@@ -188,13 +188,11 @@ class GrammarFactory:
         return self._new(compiled)
 
     def lazy_tool_calls(self, tools: list[dict], parallel: bool = True) -> GrammarConstraint:
-        with self._lock:
-            compiled = self.compiler.compile_structural_tag(lazy_tool_call_structural_tag(tools, parallel))
+        compiled = self.compiler.compile_structural_tag(lazy_tool_call_structural_tag(tools, parallel))
         return self._new(compiled)
 
     def tool_calls_or_json(self, tools: list[dict], parallel: bool, schema: dict | bool) -> GrammarConstraint:
-        with self._lock:
-            compiled = self.compiler.compile_structural_tag(tools_or_json_structural_tag(tools, parallel, schema))
+        compiled = self.compiler.compile_structural_tag(tools_or_json_structural_tag(tools, parallel, schema))
         return self._new(compiled)
 
     def json_object(self) -> GrammarConstraint:
