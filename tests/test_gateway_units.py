@@ -202,6 +202,18 @@ class ReplayGeneration:
         return {}
 
 
+def step_each(gens) -> list:
+    """What Engine.step_many returns, for fake engines: a round of each generation, one request's
+    exception in its place."""
+    results = []
+    for gen in gens:
+        try:
+            results.append(gen.step())
+        except Exception as exc:
+            results.append(exc)
+    return results
+
+
 class FakeEngine:
     model_name = "fake-model"
     max_context = 4096
@@ -217,14 +229,7 @@ class FakeEngine:
         return ReplayGeneration(self, request)
 
     def step_many(self, gens):
-        """As Engine.step_many: a round each, one request's exception in its place."""
-        results = []
-        for gen in gens:
-            try:
-                results.append(gen.step())
-            except Exception as exc:
-                results.append(exc)
-        return results
+        return step_each(gens)
 
 
 TOOL_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '

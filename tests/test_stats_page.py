@@ -28,6 +28,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from app.main import create_app
+from test_gateway_units import step_each
 from app.settings import Settings
 from whiflash_core.rounds import Round, Tally
 
@@ -123,14 +124,7 @@ class FakeEngine:
         return ReplayGeneration(self, request)
 
     def step_many(self, gens):
-        """As Engine.step_many: a round each, one request's exception in its place."""
-        results = []
-        for gen in gens:
-            try:
-                results.append(gen.step())
-            except Exception as exc:
-                results.append(exc)
-        return results
+        return step_each(gens)
 
 
 def free_port() -> int:
