@@ -19,7 +19,10 @@ from typing import Literal, Any, Union, get_args, get_origin, get_type_hints
 
 
 def setting(default: Any = MISSING, help: str | None = None, **meta: Any) -> Any:
-    """A dataclass field with its CLI help (and other flag metadata) attached."""
+    """A dataclass field with its CLI help (and other flag metadata) attached. `default=list`
+    means an empty list (a fresh one per instance)."""
+    if default is list:
+        return field(default_factory=list, metadata={"help": help, **meta})
     return field(default=default, metadata={"help": help, **meta})
 
 
@@ -52,7 +55,7 @@ def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
     if required:
         kw["required"] = True
     else:
-        kw["default"] = f.default
+        kw["default"] = f.default_factory() if f.default is MISSING else f.default
     p.add_argument(meta.get("flag", f"--{name}"), dest=f.name, **kw)
 
 

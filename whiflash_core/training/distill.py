@@ -45,7 +45,7 @@ MAX_VOCAB = 1 << 16  # token ids are stored as uint16
 # Settings that change what a prompt's sample is, or which split it lands in: a resumed run
 # must use the same values, or the output would mix two datasets (or leak val into train).
 IDENTITY_SETTINGS = ("model", "dtype", "max_new_tokens", "max_prompt_tokens", "temperature",
-                     "sample_frac", "val_per_source", "seed")
+                     "sample_frac", "val_per_source", "seed", "exclude_done_in")
 
 
 # --------------------------------------------------------------------------- CLI
@@ -72,6 +72,10 @@ class DistillSettings:
     limit: int | None = setting(None, "answer at most N not-yet-done prompts in this run, then stop")
     per_source: int | None = setting(None, "in this run, fill each source's train split up to N samples at most "
                                      "(a balanced first pass over all sources; a later run without it goes on)")
+    exclude_done_in: list[str] = setting(list, "earlier distillation directories: prompts answered there (train or "
+                                         "val) are left out here, before the val split is chosen, so data sets "
+                                         "made in other dtypes add answers without repeating or leaking them",
+                                         metavar="DIR")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "DistillSettings":
@@ -381,6 +385,8 @@ def distill(s: DistillSettings) -> dict[str, Any]:
             done.add(sample.id)
 
     conversations = load_prompts(s.prompts)
+    elsewhere = {x.id for d in s.exclude_done_in for split in SPLITS for x in iter_samples(d, split)}
+    conversations = [c for c in conversations if c["id"] not in elsewhere]
     tokenizer, model = load_target(s)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     if not isinstance(eos_id, int) or eos_id == tokenizer.unk_token_id:
