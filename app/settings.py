@@ -54,7 +54,9 @@ class Settings(BaseSettings):
     default_temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
     default_top_p: float = Field(1.0, gt=0.0, le=1.0)
     force_include_usage: bool = False
-    parallel_tool_calls: bool = Field(False, description="default when a request does not say")
+    parallel_tool_calls: bool = Field(
+        True, description="default when a request does not say (OpenAI's: true); the grammar allows each "
+                          "tool at most once per turn")
     lazy_tool_grammar: bool = Field(
         True, description="tool_choice auto: constrain a call once the model writes <tool_call> "
                           "(off: free output, parsed afterwards)")

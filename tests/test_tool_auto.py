@@ -16,6 +16,7 @@ from test_gateway import MODEL, TOOLS, WEATHER_Q, check_args
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
           "required": ["city", "sunny"], "additionalProperties": False}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,23 @@ def test_lazy_grammar_leaves_text_free_and_constrains_a_call_once_opened(grammar
     for markup in ("<tool_response>\n{}", "<tool_response_json>", "done </tool_call>", "ok </tool_response>",
                    "<tools>"):  # echoed prompt markup
         assert not accepts(tok, lazy, markup), markup
-    # parallel false: one call ends the turn; parallel true: more may follow
+    # parallel false: one call ends the turn
     assert not accepts(tok, lazy, CALL + "\n<tool_call>")
-    assert accepts(tok, g.lazy_tool_calls(TOOLS, parallel=True), CALL + "\n" + CALL)
+
+
+@pytest.mark.parametrize("kind", ["lazy", "forced"])
+def test_parallel_calls_are_each_tool_at_most_once(grammars, kind):
+    """parallel_tool_calls (the default): further calls may follow, of other tools, in any order; so
+    a model cannot keep appending calls until max_tokens (issue 17, finding 5)."""
+    tok, g, eos = grammars
+    make = g.lazy_tool_calls if kind == "lazy" else g.tool_calls
+    assert may_end(tok, make(TOOLS, True), CALL, eos)
+    assert may_end(tok, make(TOOLS, True), CALL + "\n" + ADD_CALL, eos)
+    assert may_end(tok, make(TOOLS, True), ADD_CALL + "\n" + CALL, eos)
+    assert not accepts(tok, make(TOOLS, True), CALL + "\n" + CALL)                       # the same tool again
+    assert not accepts(tok, make(TOOLS, True), CALL + "\n" + ADD_CALL + "\n<tool_call>")  # a third call
+    assert not accepts(tok, make(TOOLS, True), CALL + "\nDone.")                         # the turn ends with its calls
+    assert not accepts(tok, make(TOOLS, False), CALL + "\n<tool_call>")
 
 
 def test_tools_or_structured_answer(grammars):
