@@ -27,7 +27,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from whiflash_core.chat import TOOL_CALL_OPEN, encode_chat
+from whiflash_core.chat import TOOL_CALL_OPEN, encode_chat, template_supports_tools
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.logits import LogitAdjustments, TokenLogprob
 from whiflash_core.sampling import SamplingParams
@@ -273,6 +273,7 @@ class ChatServing:
         auto with tools                free text, and a call once the model opens one (lazy grammar);
                                        with response_format: tool calls or the structured answer
         response_format alone          the JSON answer
+        tool results, no tools offered free text that does not echo the prompt's tool markup
         """
         schema, strict = self._answer_schema(req.response_format)
         if schema is not None:
@@ -288,7 +289,14 @@ class ChatServing:
             return GrammarJob("tools", lambda: self.grammars.lazy_tool_calls(tools, parallel))
         if schema is not None:
             return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict))
+        if self.settings.lazy_tool_grammar and self._shows_tool_markup(req):
+            return GrammarJob("messages", self.grammars.free_text)
         return None
+
+    def _shows_tool_markup(self, req: ChatCompletionRequest) -> bool:
+        """Whether the prompt holds Hermes tool calls or results (a small model echoes them)."""
+        return not template_supports_tools(self.engine.tokenizer) and any(
+            m.role in ("tool", "function") or m.tool_calls or m.function_call for m in req.messages)
 
     @staticmethod
     def _answer_schema(fmt) -> tuple[dict | bool | None, bool]:

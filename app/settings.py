@@ -58,8 +58,8 @@ class Settings(BaseSettings):
         True, description="default when a request does not say (OpenAI's: true); the grammar allows each "
                           "tool at most once per turn")
     lazy_tool_grammar: bool = Field(
-        True, description="tool_choice auto: constrain a call once the model writes <tool_call> "
-                          "(off: free output, parsed afterwards)")
+        True, description="tool_choice auto: constrain a call once the model writes <tool_call>; free text "
+                          "may not echo the prompt's tool markup (off: free output, parsed afterwards)")
 
     # speculation defaults (a request's `speculation` object overrides them); defaults, bounds and
     # help come from whiflash_core.config.SpeculationConfig

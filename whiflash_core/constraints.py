@@ -17,6 +17,7 @@ GRAMMAR_CACHE_BYTES; `check_schema` bounds what one request may ask to compile):
   the tools with arguments matching its schema; free text may not write tool markup of its own
   (`</tool_call>`, `<tool_response>`), which a small model otherwise echoes from the prompt;
 * "tool calls or the structured answer" (`response_format` together with tools under `auto`);
+* free text without that tool markup (an answer after tool results, with no tools offered);
 * any JSON object (`response_format: json_object`);
 * a JSON schema (`response_format: json_schema`).
 
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 import xgrammar as xgr
-from xgrammar.structural_tag import (ConstStringFormat, JSONSchemaFormat, OptionalFormat, OrFormat, SequenceFormat,
+from xgrammar.structural_tag import (AnyTextFormat, ConstStringFormat, JSONSchemaFormat, OptionalFormat, OrFormat, SequenceFormat,
                                      StructuralTag, TagFormat, TriggeredTagsFormat)
 
 from .chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -205,6 +206,12 @@ def tools_or_json_structural_tag(tools: list[dict], parallel: bool, schema: dict
     return StructuralTag(format=OrFormat(elements=[_forced_calls(tools, parallel), answer]))
 
 
+def free_text_structural_tag() -> StructuralTag:
+    """Any text but the prompt's tool markup, calls included: the answer after tool results when no
+    tools are offered (with no call to trigger, all of "<tool_" can be excluded)."""
+    return StructuralTag(format=AnyTextFormat(excludes=["<tool_", "</tool_", "<tools>", "</tools>"]))
+
+
 class GrammarFactory:
     """Compiles grammars for one tokenizer and hands out fresh constraints for each request."""
 
@@ -230,6 +237,9 @@ class GrammarFactory:
     def tool_calls_or_json(self, tools: list[dict], parallel: bool, schema: dict | bool) -> GrammarConstraint:
         compiled = self.compiler.compile_structural_tag(tools_or_json_structural_tag(tools, parallel, schema))
         return self._new(compiled)
+
+    def free_text(self) -> GrammarConstraint:
+        return self._new(self.compiler.compile_structural_tag(free_text_structural_tag()))
 
     def json_object(self) -> GrammarConstraint:
         return self.json_schema({"type": "object"})
