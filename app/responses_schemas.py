@@ -102,7 +102,7 @@ class FunctionTool(_Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class FunctionToolChoice(_Lenient):
@@ -115,7 +115,7 @@ class TextFormat(_Lenient):
     name: str | None = None
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class TextConfig(_Lenient):

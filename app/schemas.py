@@ -87,7 +87,7 @@ class FunctionDefinition(_Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class Tool(_Lenient):
@@ -108,7 +108,7 @@ class JSONSchemaSpec(_Lenient):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class ResponseFormat(_Lenient):

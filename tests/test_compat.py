@@ -86,6 +86,20 @@ def test_loose_types_are_400s_naming_the_field(field, value):
         assert error["param"] == field and field in error["message"]
 
 
+@pytest.mark.parametrize("body,param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "true"}}]}, "tools[0].function.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"modalities": "text"}, "modalities")])
+def test_loose_types_inside_objects_are_400s_naming_the_field(body, param):
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        error = assert_openai_error(tc.post("/v1/chat/completions", json={"model": MODEL, "messages": HI, **body}),
+                                    400, "invalid_value")
+        assert error["param"] == param
+
+
 def test_proper_json_types_stay_valid():
     app, tc = in_process(FakeEngine("ok"))
     with tc:
