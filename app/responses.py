@@ -24,7 +24,10 @@ the chat extensions `seed`, `top_k`, `speculation`. Nothing is stored: `store` i
 default is true) and changes nothing, so `previous_response_id` and `conversation` are 400s (send
 the whole conversation as input, as the Agents SDK does by default). Also 400s: `background`,
 `prompt`, `truncation: "auto"`, `reasoning` with an effort or summary, `context_management`, other
-`include` values, non-function tools, non-text content parts.
+`include` values, non-function tools, non-text content parts. Accepted and without effect here:
+`user`, `safety_identifier`, `prompt_cache_key`, `prompt_cache_retention` (the prefix cache is
+automatic), `service_tier`, `stream_options`, `max_tool_calls` (built-in tools only),
+`text.verbosity` (a hint to OpenAI's models).
 """
 from __future__ import annotations
 
@@ -182,6 +185,8 @@ class ResponsesServing:
         self.chat = chat
 
     async def create(self, req: ResponsesRequest, http: Request):
+        if req.model_extra:
+            log.debug("ignoring unknown request fields %s", sorted(req.model_extra))
         try:
             p, handles = await self.chat.start(to_chat(req), http)
         except APIError as exc:
