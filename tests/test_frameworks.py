@@ -104,6 +104,11 @@ def test_openai_client_responses_plain_and_streaming(live_server):
         text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
         final = stream.get_final_response()
     assert text == final.output_text == r.output_text and items(final) == items(r)
+    r = client.responses.create(model=MODEL, input="What is the capital of France?", max_output_tokens=8,
+                                temperature=0, include=["message.output_text.logprobs"], top_logprobs=2)
+    logprobs = r.output[0].content[0].logprobs
+    assert len(logprobs) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert "".join(lp.token for lp in logprobs) == r.output_text
 
     flat = [{"type": "function", **t["function"]} for t in TOOLS]  # the Responses API's flat tools
     kw = dict(model=MODEL, input=WEATHER_Q[0]["content"], tools=flat, tool_choice="required", max_output_tokens=48,
