@@ -56,10 +56,12 @@ from .replica_routing import REPLICA_HEADER, TARGET, Forwarded, Start, affinity_
 from .settings import Settings
 
 log = logging.getLogger(__name__)
+serve_log = logging.getLogger("ray.serve")   # inside replicas: Ray Serve's logger, shown by the driver too
 
 APP_NAME = "whiflash"
 FAN_OUT_TIMEOUT_S = 5.0       # a replica that does not answer /metrics or /health in time is left out
 SSE_PING_S = 15.0
+HOME_PATIENCE_S = 1.0         # how long a request waits for its home replica before taking the next one
 
 
 class ReplicaSettings(BaseSettings):
@@ -110,7 +112,12 @@ class AffinityRouter(MultiplexMixin, RequestRouter):
         if not key:
             return [random.sample(candidate_replicas, min(2, len(candidate_replicas)))]
         by_slot = {replica_slot(r): r for r in candidate_replicas}
-        return [[by_slot[s]] for s in rendezvous_order(key, list(by_slot))]
+        ranked = [[by_slot[s]] for s in rendezvous_order(key, list(by_slot))]
+        if time.time() - pending_request.created_at < HOME_PATIENCE_S:
+            # only the home at first: a queue-length probe that misses its deadline on a busy
+            # machine (or a replica that just started) must not cost the conversation its cache
+            return ranked[:1]
+        return ranked
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -149,7 +156,7 @@ class Replica:
         # the app's lifespan (engine thread, stats hub) as uvicorn would run it, for the replica's life
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
-        log.info("replica %s (rank %d) ready", self.name, self.rank)
+        serve_log.info("whiflash replica %s (rank %d, pid %d) ready", self.name, self.rank, os.getpid())
 
     def record_replica_metadata(self) -> dict:
         """Published to the routers once the replica is up (Ray Serve's replica-metadata hook)."""
@@ -256,7 +263,7 @@ class Ingress:
             try:
                 started[name] = (await asyncio.wait_for(gen.__anext__(), FAN_OUT_TIMEOUT_S), gen)
             except Exception as exc:
-                log.warning("replica %s did not answer %s: %r", name, request.path, exc)
+                serve_log.warning("replica %s did not answer %s: %r", name, request.path, exc)
                 gen.cancel()
         return started
 
@@ -266,7 +273,7 @@ class Ingress:
             try:
                 return name, (start, b"".join([c async for c in gen]))
             except Exception as exc:
-                log.warning("replica %s failed answering %s: %r", name, request.path, exc)
+                serve_log.warning("replica %s failed answering %s: %r", name, request.path, exc)
                 return name, None
         answers = await asyncio.gather(*(rest(n, s, g) for n, (s, g) in (await self.start_each(request)).items()))
         return {name: answer for name, answer in answers if answer is not None}
@@ -285,7 +292,7 @@ class Ingress:
             raise
         except Exception as exc:   # the replica died or was unreachable before it answered
             gen.cancel()
-            log.warning("request %s failed on its replica: %s", request.id, exc)
+            serve_log.warning("request %s failed on its replica: %r", request.id, exc)
             return _unavailable(f"The replica serving this request failed: {type(exc).__name__}. Please retry.",
                                 routing.routed.pop(request.id, "none"))
         routing.routed.pop(request.id, None)
@@ -296,7 +303,7 @@ class Ingress:
                 async for chunk in gen:
                     yield chunk
             except Exception as exc:   # the replica died mid-response
-                log.warning("request %s lost its replica mid-response: %s", request.id, exc)
+                serve_log.warning("request %s lost its replica mid-response: %r", request.id, exc)
                 if event_stream:   # as the single server ends a failed stream: an error event, then [DONE]
                     yield sse(error_body(f"The replica serving this stream failed: {type(exc).__name__}.",
                                          "server_error", None, "replica_unavailable"))
@@ -311,8 +318,9 @@ class Ingress:
         answers = await self.ask_each(Forwarded.of(http.scope, b""))
         states = {name: "ok" if start.status == 200 else "unavailable" for name, (start, _) in answers.items()}
         ok = any(state == "ok" for state in states.values())
-        return _json({"status": "ok" if ok else "unavailable", "replicas": states}, 200 if ok else 503,
-                     ",".join(answers) or "none")
+        slots = {name: routing.known.get(name) for name in answers}   # what affinity hashes over
+        return _json({"status": "ok" if ok else "unavailable", "replicas": states, "slots": slots},
+                     200 if ok else 503, ",".join(answers) or "none")
 
     async def metrics(self, http: Request) -> Response:
         answers = await self.ask_each(Forwarded.of(http.scope, b""))
@@ -409,11 +417,27 @@ class Ingress:
             "Cache-Control": "no-cache", "X-Accel-Buffering": "no", REPLICA_HEADER: ",".join(gens)})
 
 
+class NameUnservedResponses:
+    """ASGI middleware: a response no replica served (the ingress refused it first) says so."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def named(message):
+            if message["type"] == "http.response.start" and not any(
+                    k.lower() == REPLICA_HEADER.encode() for k, _ in message.get("headers", [])):
+                message = {**message, "headers": [*message.get("headers", []), (REPLICA_HEADER.encode(), b"none")]}
+            await send(message)
+        await self.app(scope, receive, named if scope["type"] == "http" else send)
+
+
 def build_ingress_app(ingress: Ingress) -> FastAPI:
     settings = ingress.settings
     app = FastAPI(title="WhiFlash Gateway (replicas)", docs_url=None, redoc_url=None, openapi_url=None)
     # the same 413/415 answers as the replicas' own, before the ingress holds a body it must hash
     app.add_middleware(RequestBodyLimits, max_bytes=settings.max_request_bytes)
+    app.add_middleware(NameUnservedResponses)   # added last: outermost, so it sees those answers too
 
     @app.get("/health")
     async def health(request: Request):
