@@ -11,12 +11,12 @@ Replica  one engine each (one GPU each with `--device cuda`, else `threads` CPU 
          every route, error and limit behaves exactly as on the single server, the API key and
          its prefix-cache namespace included. Each response start gets an `x-whiflash-replica`
          header with the replica's Serve id.
-Ingress  a thin FastAPI app: computes the request's affinity key (app/replica_merge.py: a hash of
-         the API key and the conversation's opening: tools, messages up to the first user message)
-         and forwards the request through a DeploymentHandle whose request router is
+Ingress  a thin FastAPI app: computes the request's affinity key (app/replica_routing.py: a hash
+         of the API key and the conversation's opening: tools, messages up to the first user
+         message) and forwards the request through a DeploymentHandle whose request router is
          `AffinityRouter` (Ray Serve's custom request-router hook): the key's replica by
-         rendezvous hashing over the replicas' ranks, the next one in the key's order when that
-         one is full or gone. A client that leaves cancels the Serve call, which cancels the
+         rendezvous hashing over the replicas' ranks; after HOME_PATIENCE_S without it (full or
+         gone), the next one in the key's order. A client that leaves cancels the Serve call, which cancels the
          request on its replica (the replica's app sees the disconnect, as under uvicorn).
          /health, /metrics and the stats endpoints ask every replica and merge their answers.
 
@@ -190,6 +190,7 @@ class Replica:
 
         task = asyncio.create_task(self.app(request.scope(), receive, send))
         task.add_done_callback(lambda _: messages.put_nowait(None))
+        completed = False
         try:
             while (message := await messages.get()) is not None:
                 if message["type"] == "http.response.start":
@@ -198,13 +199,16 @@ class Replica:
                     if message.get("body"):
                         yield message["body"]
                     if not message.get("more_body", False):
+                        completed = True
                         break
             if task.done() and task.exception() is not None:
                 raise task.exception()
         finally:
-            disconnected.set()
+            disconnected.set()   # as uvicorn's receive() reports once the connection is gone
             if not task.done():
-                task.cancel()
+                if completed:     # the app may still be winding down after its last byte
+                    await asyncio.wait([task], timeout=10)
+                task.cancel()     # the call was cancelled (the client left): stop the request now
                 await asyncio.gather(task, return_exceptions=True)
 
     async def __del__(self):
