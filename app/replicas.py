@@ -40,8 +40,6 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
@@ -53,7 +51,7 @@ from .limits import RequestBodyLimits
 from . import replica_routing as routing
 from .replica_merge import SSEParser, merge_aggregates, merge_metrics, merge_samples, merge_snapshots, sse, tag
 from .replica_routing import REPLICA_HEADER, TARGET, Forwarded, Start, affinity_key, rendezvous_order
-from .settings import Settings
+from .settings import ReplicaSettings, Settings
 
 log = logging.getLogger(__name__)
 serve_log = logging.getLogger("ray.serve")   # inside replicas: Ray Serve's logger, shown by the driver too
@@ -62,20 +60,6 @@ APP_NAME = "whiflash"
 FAN_OUT_TIMEOUT_S = 5.0       # a replica that does not answer /metrics or /health in time is left out
 SSE_PING_S = 15.0
 HOME_PATIENCE_S = 1.0         # how long a request waits for its home replica before taking the next one
-
-
-class ReplicaSettings(BaseSettings):
-    """Scale-out settings (`WHIFLASH_<NAME>` or the `whiflash serve` flags of the same names)."""
-    model_config = SettingsConfigDict(env_prefix="WHIFLASH_", extra="ignore")
-
-    replicas: int = Field(1, ge=1, description="engine replicas behind one endpoint (1: the single-process "
-                                               "server, no Ray)")
-    gpus_per_replica: float | None = Field(None, ge=0, description="GPUs reserved per replica (default: 1 when "
-                                                                   "serving on cuda, else 0)")
-    ray_address: str | None = Field(None, description="an existing Ray cluster to deploy on (default: start a "
-                                                      "local one, shut down with the server)")
-    health_check_period_s: float = Field(2.0, gt=0, description="how often Ray Serve checks each replica "
-                                                                "(a dead one is replaced)")
 
 
 # --- routing ----------------------------------------------------------------------------------------

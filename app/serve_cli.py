@@ -70,21 +70,21 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def replica_settings_from_args(args: argparse.Namespace):
-    """The scale-out settings when more than one replica is asked for (flag or WHIFLASH_REPLICAS),
-    else None: the single-process server."""
-    import os
+    """The scale-out settings when more than one replica is asked for (--replicas or
+    WHIFLASH_REPLICAS), else None: the single-process server, which never imports Ray."""
+    from .settings import ReplicaSettings
 
-    wanted = args.replicas if args.replicas is not None else int(os.environ.get("WHIFLASH_REPLICAS", "1"))
-    if wanted <= 1:
+    overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command") and v is not None}
+    settings = ReplicaSettings(**overrides)
+    if settings.replicas == 1:
         return None
     try:
-        from .replicas import ReplicaSettings
+        import ray.serve  # noqa: F401
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.split(".")[0] == "ray":
             raise SystemExit("--replicas needs Ray Serve: pip install 'whiflash[replicas]'") from None
         raise
-    overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command") and v is not None}
-    return ReplicaSettings(**overrides)
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:

@@ -126,3 +126,17 @@ def test_sse_parser_reads_what_the_server_frames():
     framed = sse({"type": "round", "n": 1}) + b": ping\r\n\r\n" + sse({"type": "tokens"})
     events = parser.feed(framed[:7]) + parser.feed(framed[7:])
     assert events == [{"type": "round", "n": 1}, {"type": "tokens"}]
+
+
+def test_one_replica_is_the_single_process_server(monkeypatch):
+    import argparse
+
+    from app.serve_cli import add_parser, replica_settings_from_args
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    monkeypatch.delenv("WHIFLASH_REPLICAS", raising=False)
+    assert replica_settings_from_args(parser.parse_args(["serve"])) is None
+    assert replica_settings_from_args(parser.parse_args(["serve", "--replicas", "1"])) is None
+    monkeypatch.setenv("WHIFLASH_REPLICAS", "1")
+    assert replica_settings_from_args(parser.parse_args(["serve"])) is None

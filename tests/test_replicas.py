@@ -225,7 +225,7 @@ def test_metrics_and_stats_add_up_both_replicas(cluster):
 def test_a_killed_replica_fails_only_its_own_streams_and_is_replaced(cluster):
     homes = conversations(per_slot=2, messages=counting)
     results: dict[int, dict] = {}
-    body = {"max_tokens": 200, "temperature": 0, "stream": True, "speculation": {"method": "none"}}
+    body = {"max_tokens": 120, "temperature": 0, "stream": True, "speculation": {"method": "none"}}
 
     def stream(i: int) -> None:
         with httpx.stream("POST", cluster.base_url + "/chat/completions", json={**body, "messages": counting(i)},
