@@ -5,10 +5,12 @@ embedded model, one endpoint.
   replica (the one its opening hashes to) and its second turn reports cached prompt tokens;
 - streaming through Ray Serve gives the single server's chunks, ending in [DONE];
 - every response, errors included, names its replica in `x-whiflash-replica`;
+- a client that leaves a stream frees its request on the replica;
 - /metrics and the stats snapshot add up both replicas;
-- a replica killed (SIGKILL) mid-stream fails only its own streams (an error event, then [DONE]),
-  the other replica's streams complete, and Ray Serve replaces it; the time until the replacement
-  serves is measured, and the conversation returns to it (it takes the dead replica's rank).
+- a replica killed (SIGKILL) mid-stream fails only its own requests (its streams end with an error
+  event, then [DONE]; a request not streamed gets a 503 naming it), the other replica's streams
+  complete, and Ray Serve replaces it; the time until the replacement serves is measured, and the
+  conversation returns to it (it takes the dead replica's rank).
 
 The measured numbers are printed at the end of the module (`pytest -s tests/test_replicas.py`).
 The cluster is the CLI's own local one (`ray.init()` in `whiflash serve`); it goes down with the
@@ -203,13 +205,36 @@ def test_every_response_names_its_replica(cluster):
     assert set(httpx.get(cluster.url + "/health", timeout=30).headers[HEADER].split(",")) == names
 
 
-def test_metrics_and_stats_add_up_both_replicas(cluster):
-    text = httpx.get(cluster.url + "/metrics", timeout=30).text
+def metric_values(server) -> dict[str, float]:
     values = {}
-    for line in text.splitlines():
+    for line in httpx.get(server.url + "/metrics", timeout=30).text.splitlines():
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             values[name] = float(value)
+    return values
+
+
+def aborted(server) -> float:
+    return sum(v for k, v in metric_values(server).items()
+               if k.startswith("whiflash:request_success_total") and 'finished_reason="abort"' in k)
+
+
+def test_a_client_that_leaves_frees_its_request_on_the_replica(cluster):
+    before = aborted(cluster)
+    body = {"messages": opening(2000), "max_tokens": 400, "stream": True, "speculation": {"method": "none"}}
+    with httpx.stream("POST", cluster.base_url + "/chat/completions", json=body, timeout=120) as r:
+        for n, _ in enumerate(r.iter_lines()):
+            if n >= 6:
+                break   # leave mid-stream
+    left = time.perf_counter()
+    while aborted(cluster) == before:
+        assert time.perf_counter() - left < 30, "the replica kept generating for a client that left"
+        time.sleep(0.2)
+    RESULTS["disconnect_freed_s"] = round(time.perf_counter() - left, 2)
+
+
+def test_metrics_and_stats_add_up_both_replicas(cluster):
+    values = metric_values(cluster)
     assert values["whiflash:replicas"] == 2
     finished = sum(v for k, v in values.items() if k.startswith("whiflash:request_success_total"))
     assert finished >= 9   # 8 conversation turns and a stream (the refused requests never started)
@@ -223,9 +248,17 @@ def test_metrics_and_stats_add_up_both_replicas(cluster):
 
 
 def test_a_killed_replica_fails_only_its_own_streams_and_is_replaced(cluster):
-    homes = conversations(per_slot=2, messages=counting)
-    results: dict[int, dict] = {}
+    homes = conversations(per_slot=3, messages=counting)
+    waiting = homes["rank-1"].pop()   # a request that is not streamed, on the replica to be killed
+    homes["rank-0"].pop()
     body = {"max_tokens": 120, "temperature": 0, "stream": True, "speculation": {"method": "none"}}
+    results: dict[int, dict] = {}
+    answer: dict = {}
+
+    def ask() -> None:
+        r = httpx.post(cluster.base_url + "/chat/completions", timeout=120,
+                       json={**body, "stream": False, "messages": counting(waiting)})
+        answer.update(status=r.status_code, replica=r.headers.get(HEADER), body=r.json())
 
     def stream(i: int) -> None:
         with httpx.stream("POST", cluster.base_url + "/chat/completions", json={**body, "messages": counting(i)},
@@ -236,7 +269,7 @@ def test_a_killed_replica_fails_only_its_own_streams_and_is_replaced(cluster):
                     results[i]["lines"].append(line[6:])
 
     numbers = [i for group in homes.values() for i in group]
-    threads = [threading.Thread(target=stream, args=(i,)) for i in numbers]
+    threads = [threading.Thread(target=stream, args=(i,)) for i in numbers] + [threading.Thread(target=ask)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
@@ -259,6 +292,9 @@ def test_a_killed_replica_fails_only_its_own_streams_and_is_replaced(cluster):
         else:                       # the other replica's streams are unaffected
             assert "error" not in last and last["choices"][0]["finish_reason"] in ("length", "stop"), last
     assert sum(r["replica"] == victim for r in results.values()) == 2
+    # the request that was not streamed: a 503 naming the replica it was on
+    assert (answer["status"], answer["replica"], answer["body"]["error"]["code"]) == \
+        (503, victim, "replica_unavailable"), answer
 
     # Ray Serve replaces the dead replica; the conversation's home is its rank, so it moves back
     replicas = wait_for_replicas(cluster, 2, without=victim)
