@@ -514,6 +514,8 @@ def build_app(args: dict):
 
 def serve_replicas(settings: Settings, rs: ReplicaSettings) -> int:
     """`whiflash serve --replicas N`: start (or join) Ray, deploy, serve until SIGINT/SIGTERM."""
+    # a self-hosted gateway sends no usage statistics unless its operator asks Ray to
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
 
     threads = threads_per_replica(settings, rs.replicas)
