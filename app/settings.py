@@ -82,3 +82,17 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
+
+
+class ReplicaSettings(BaseSettings):
+    """Scale-out settings (`WHIFLASH_<NAME>` or the `whiflash serve` flags of the same names)."""
+    model_config = SettingsConfigDict(env_prefix="WHIFLASH_", extra="ignore")
+
+    replicas: int = Field(1, ge=1, description="engine replicas behind one endpoint (1: the single-process "
+                                               "server, no Ray)")
+    gpus_per_replica: float | None = Field(None, ge=0, description="GPUs reserved per replica (default: 1 when "
+                                                                   "serving on cuda, else 0)")
+    ray_address: str | None = Field(None, description="an existing Ray cluster to deploy on (default: start a "
+                                                      "local one, shut down with the server)")
+    health_check_period_s: float = Field(2.0, gt=0, description="how often Ray Serve checks each replica "
+                                                                "(a dead one is replaced)")
