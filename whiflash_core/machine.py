@@ -128,7 +128,7 @@ def head_kinds() -> tuple[str, ...]:
     """The LM-head kinds this PyTorch build can run (quant.HEAD_KINDS)."""
     from .quant import dynamic_int8_available
 
-    return ("int8", "dynint8") if dynamic_int8_available() else ("int8",)
+    return ("int8", "int4") + (("dynint8",) if dynamic_int8_available() else ())
 
 
 class _Timer:

@@ -16,8 +16,9 @@ decode step. `Int8Linear` (one symmetric scale per output row, `_weight_int8pack
 the bytes. Its logits are coarser, but the target recomputes its top-8 logits in float32 from the
 dense weights (`TargetModel.logits`), so a greedy choice only changes if the true argmax falls out
 of the int8 top 8. `--weights int8` applies it to every linear of any Llama/Qwen3 target. Since the
-head only ranks candidates, it may also run PyTorch's dynamic int8 GEMM (`DynInt8Linear`:
-activations quantized too, integer dot products) where `machine` measures that faster.
+head only ranks candidates, it may also run 4-bit weights (`Int4Linear.from_dense`: half the bytes
+again) or PyTorch's dynamic int8 GEMM (`DynInt8Linear`: activations quantized too, integer dot
+products), whichever `machine` measures fastest.
 """
 from __future__ import annotations
 
@@ -107,6 +108,19 @@ class Int4Linear(nn.Module):
         self.weight = dense
         self.dense_from_rows = dense_from_rows
 
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, dense_from_rows: int = 10**9) -> "Int4Linear":
+        """Quantize a dense weight to 4 bits per value, asymmetric per group of 32 (Q4_1's
+        scheme: w = d * q + m, q in 0..15); keeps `weight` (shared, not copied) as the dense copy.
+        For the LM head, whose candidates the target refines in float32 (TargetModel.logits)."""
+        w = weight.detach().float()
+        n, k = w.shape
+        groups = w.reshape(n, k // GROUP, GROUP)
+        lo, hi = groups.amin(-1), groups.amax(-1)
+        d = ((hi - lo) / 15).clamp(min=1e-12)
+        q = ((groups - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+        return cls(q.numpy(), d.numpy(), lo.numpy(), weight, dense_from_rows, weight.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -184,7 +198,7 @@ class DynInt8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
-HEAD_KINDS = {"int8": Int8Linear, "dynint8": DynInt8Linear}
+HEAD_KINDS = {"int8": Int8Linear, "dynint8": DynInt8Linear, "int4": Int4Linear.from_dense}
 
 
 def quantize_head(model: nn.Module, kind: str, dense_from_rows: int = 10**9) -> None:
