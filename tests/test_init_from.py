@@ -206,3 +206,21 @@ def test_cli_flags():
     s = TD.DFlashSettings.from_args(args)
     assert s.data == "a,b" and s.init_from == "models/x/dflash"
     assert TE.Eagle3Settings.from_args(parser.parse_args(["train", "eagle3", "--data", "a", "--out", "o"])).init_from is None
+
+
+def test_loading_a_float32_copy_of_a_drafter_leaves_a_bf16_target_alone(tmp_path):
+    """--init-from loads the drafter in float32 (what the loop trains); the target's embedding and
+    LM head it shares must stay bf16, or the target's forward breaks on mixed dtypes."""
+    from tiny import tiny_dflash, tiny_eagle, tiny_target
+    from whiflash_core.drafters.dflash import DFlashDrafter
+    from whiflash_core.drafters.eagle3 import Eagle3Drafter
+
+    target = tiny_target(torch.bfloat16)
+    for name, drafter, cls in (("eagle3", tiny_eagle(target), Eagle3Drafter),
+                               ("dflash", tiny_dflash(target), DFlashDrafter)):
+        drafter.save(str(tmp_path / name))
+        copy32 = cls.load(str(tmp_path / name), target, dtype=torch.float32)
+        assert next(p for n, p in copy32.named_parameters() if "embed" not in n).dtype == torch.float32
+        assert target.embed_tokens.weight.dtype == target.lm_head.weight.dtype == torch.bfloat16, name
+        ids = torch.arange(5)
+        target(ids, target.new_cache(8))  # still runs in bf16

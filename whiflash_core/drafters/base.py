@@ -71,6 +71,19 @@ class DrafterState:
     n_seen: int = 0
 
 
+def to_sharing(module: torch.nn.Module, shared: tuple[torch.nn.Module | None, ...], device,
+               dtype: torch.dtype) -> torch.nn.Module:
+    """module.to(device, dtype), except the target's modules it shares (its embedding, LM head):
+    those stay as the target has them. A plain `.to()` would convert the shared parameters in
+    place and change the target too (e.g. a float32 copy of a drafter for training would turn a
+    bf16 target's embedding into float32)."""
+    saved = [(p, p.data) for m in shared if m is not None for p in m.parameters()]
+    module.to(device, dtype)
+    for p, data in saved:
+        p.data = data
+    return module
+
+
 class Drafter(ABC):
     name: str = "drafter"
     # tap indices (Hugging Face hidden_states convention) this drafter reads from the target

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, init_linear_
 from ..target import KVCache, TargetModel
-from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens
+from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens, to_sharing
 from .checkpoint import load_state_dict, save_state_dict
 
 
@@ -256,7 +256,7 @@ class DFlashDrafter(Drafter, nn.Module):
         missing, unexpected = model.load_state_dict(sd, strict=False)
         if missing or unexpected:
             raise ValueError(f"DFlash checkpoint {path}: missing {missing}, unexpected {unexpected}")
-        return model.to(target.device, dtype).eval()
+        return to_sharing(model, (embed_tokens, target_lm_head), target.device, dtype).eval()
 
 
 def _get(raw: dict, key: str, default=None):

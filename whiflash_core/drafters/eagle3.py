@@ -21,7 +21,7 @@ from torch import nn
 
 from ..layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, causal_mask, init_linear_
 from ..target import KVCache, TargetModel
-from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens
+from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens, to_sharing
 from .checkpoint import load_state_dict, save_state_dict
 
 
@@ -317,7 +317,7 @@ class Eagle3Drafter(Drafter, nn.Module):
         missing = [k for k in missing if not k.startswith("embed_tokens.")]
         if missing or unexpected:
             raise ValueError(f"EAGLE-3 checkpoint {path}: missing {missing}, unexpected {unexpected}")
-        return model.to(target.device, dtype).eval()
+        return to_sharing(model, (None if own_embed else target_embed,), target.device, dtype).eval()
 
 
 def config_from_json(raw: dict, num_target_layers: int) -> Eagle3Config:
