@@ -29,6 +29,22 @@ def _cpuinfo_field(name: str) -> str | None:
     return None
 
 
+def llama_cpp_info() -> dict | None:
+    """llama-cpp-python's version and the CPU features its ggml build uses (a bench peer's build
+    decides its kernels: a GGML_NATIVE build on an AVX-512 machine is not an AVX2 peer)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return None
+    try:
+        import llama_cpp
+
+        return {"version": llama_cpp.__version__, "location": os.path.dirname(llama_cpp.__file__),
+                "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+    except Exception as exc:  # a broken optional peer must not break the report
+        return {"error": repr(exc)}
+
+
 def machine_info(dtype: str, threads: int) -> dict:
     import torch
     import transformers
@@ -56,6 +72,7 @@ def machine_info(dtype: str, threads: int) -> dict:
         "transformers": transformers.__version__,
         "dtype": dtype,
         "threads": threads,
+        "llama_cpp": llama_cpp_info(),
     }
 
 
