@@ -27,7 +27,11 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--model-alias", dest="model_aliases", nargs="*", action="extend", default=None,
                    help="further model ids accepted in requests (repeatable); any other id is a 404")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes; several keys, comma-separated, are "
+                        "separate tenants (the stats page shows each only its own requests' text)")
+    p.add_argument("--admin-key", default=None,
+                   help="a stats-page viewer presenting this key sees every request's text (also an API key)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="where the target and drafters run (default: cuda when available, else cpu)")

@@ -39,6 +39,7 @@ from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletion
                       ResponseToolCall, SamplingRequest, Usage)
 from .settings import Settings
 from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id, parse_tool_calls
+from .viewers import request_owner
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,8 @@ class ChatServing:
             if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
                 job = prepared.grammar
                 gen.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
-        handles = submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info)
+        handles = submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info,
+                             request_owner(http, self.settings))
         if prepared.stream:
             return EventSourceResponse(self._stream(prepared, handles), sep="\n", ping=SSE_PING_SECONDS)
         try:

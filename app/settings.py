@@ -28,7 +28,12 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     model_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="further names accepted as `model` (others: 404 model_not_found)")
-    api_key: str | None = None
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on the API; several keys, comma-separated, are "
+                          "separate tenants (each sees only its own requests' text on the stats feed)")
+    admin_key: str | None = Field(
+        None, description="a stats-feed viewer presenting this key sees every request's text (it is also "
+                          "accepted as an API key); never in a URL")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_level: str = "info"
 
@@ -72,6 +77,11 @@ class Settings(BaseSettings):
         """The server's default speculation settings for `method`."""
         return SpeculationConfig(method=method, alpha=self.speculation_alpha, num_draft_tokens=self.num_draft_tokens,
                                  block_size=self.block_size, prompt_lookup=self.prompt_lookup)
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The API keys (`--api-key k1,k2`, as llama.cpp's); empty when the API is open."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
     @field_validator("cors_origins", "model_aliases", mode="before")
     @classmethod
