@@ -135,7 +135,7 @@ def certainly_too_long(chars: int, max_context: int, token_chars: int | None) ->
 # --- the body of a POST to the API ----------------------------------------------------------------
 
 
-def _is_api_post(scope) -> bool:
+def is_api_post(scope) -> bool:
     path = scope["path"]
     return scope["method"] == "POST" and (path.startswith("/v1/") or path == "/chat/completions")
 
@@ -150,7 +150,7 @@ class RequestBodyLimits:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not _is_api_post(scope):
+        if scope["type"] != "http" or not is_api_post(scope):
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
         # OpenAI's clients always send application/json (a charset parameter is fine); a body with no

@@ -26,6 +26,7 @@ from whiflash_core.prefix_cache import PrefixCache
 from .errors import APIError, install_error_handlers, model_not_found, validation_error
 from .events import EventBus
 from .limits import RequestBodyLimits, is_too_deep, nesting_too_deep
+from .memory import ReleaseMemoryAfterRefusals
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .completions import CompletionRequest, CompletionServing
@@ -81,6 +82,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     # added before CORS, so CORS wraps it and browsers can read its 413/415 answers
     app.add_middleware(RequestBodyLimits, max_bytes=settings.max_request_bytes)
+    app.add_middleware(ReleaseMemoryAfterRefusals)  # around the limits' refusals too
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in settings.cors_origins)

@@ -16,9 +16,6 @@ code fails every open request with a 503 and marks the server unhealthy (`_run`)
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import functools
 import logging
 import threading
 import time
@@ -30,6 +27,7 @@ from whiflash_core.logits import TokenLogprob
 
 from .errors import APIError, bad_request, engine_unavailable, internal_error, overloaded
 from .events import EventBus
+from .memory import release_free_memory
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -107,24 +105,6 @@ class RequestHandle:
         if isinstance(item, (Finished, Failed)):
             self.done = True
         return item
-
-
-def release_free_memory() -> None:
-    """Return freed heap memory to the OS (glibc's malloc_trim). A finished request's KV cache, and
-    the float32 scratch copies of long prefills, are freed into the allocator's arenas, which glibc
-    keeps: without a trim the server's RSS stays at its busiest level after a burst. A no-op where
-    the C library has no malloc_trim (musl, macOS)."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
 
 
 @dataclass

@@ -48,6 +48,9 @@ class Settings(BaseSettings):
                                "that start the same way (agent loops); 0 turns the prefix cache off")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1,
                                    description="largest request body accepted (larger: 413, before parsing)")
+    malloc_arena_max: int = Field(
+        2, ge=0, description="glibc malloc arenas (as MALLOC_ARENA_MAX; 0: glibc's default, 8 per core): few "
+                             "arenas let RSS return to its level after large requests (app/memory.py)")
 
     # grammars (tool_choice required / named, response_format): compiled in their own pool
     grammar_timeout: float = Field(10.0, gt=0, description="seconds a request waits for its grammar (then a 400)")

@@ -665,3 +665,55 @@ def test_openapi_document_describes_the_chat_request_body():
         target = doc
         for part in ref.removeprefix("#/").split("/"):
             target = target[part]
+
+
+# --- memory handed back after refusals ---------------------------------------------------------
+
+
+def test_refused_requests_trim_the_heap_once_per_burst(monkeypatch):
+    import app.memory as memory
+
+    trims = []
+    monkeypatch.setattr(memory, "release_free_memory", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(memory, "TRIM_DELAY_SECONDS", 0.2)
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        for _ in range(20):  # a burst of refusals, from the limits and from the app
+            assert tc.post("/v1/chat/completions", content="x", headers={"content-type": "text/plain"}).status_code == 415
+            assert tc.post("/v1/chat/completions", json={"messages": "nope"}).status_code == 400
+        wait_until(lambda: trims, 2.0)
+        time.sleep(0.4)
+        assert len(trims) == 1  # one trim for the whole burst, not one per request
+        for _ in range(5):  # served requests leave trimming to the scheduler's idle trim
+            assert_still_serving(tc)
+        time.sleep(0.4)
+        assert len(trims) == 1
+
+
+def test_malloc_arenas_are_capped_unless_the_environment_says(monkeypatch):
+    import argparse
+
+    import app.memory as memory
+    from app.serve_cli import add_parser, settings_from_args
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
+    monkeypatch.setattr(memory, "_libc", lambda: Libc())
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert Settings().malloc_arena_max == 2
+    memory.limit_malloc_arenas(Settings().malloc_arena_max)
+    assert calls == [(memory.M_ARENA_MAX, 2)]
+    memory.limit_malloc_arenas(0)  # 0: glibc's default
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # glibc read it at start: left alone
+    memory.limit_malloc_arenas(2)
+    assert calls == [(memory.M_ARENA_MAX, 2)]
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert settings_from_args(parser.parse_args(["serve", "--malloc-arena-max", "0"])).malloc_arena_max == 0
