@@ -130,22 +130,37 @@ class Aggregates:
 # --- what one viewer may see ---------------------------------------------------------------------
 
 
+# What another viewer's request shows, field by field (a whitelist, so that a field added to an
+# event later stays on the server until it is known to carry no text). Rounds are numbers and
+# drafter names only; tokens keep their sources (per-source totals still add up), not their text
+# or ids; the final stats lose the trace.
+PUBLIC_FIELDS = {
+    "request_started": {"prompt_tokens", "max_tokens", "method", "alpha", "policy", "temperature", "stream",
+                        "tools", "tool_choice", "endpoint"},
+    "round": {"round", "drafter", "draft_tokens", "accepted", "decided", "switched", "entropy", "seconds",
+              "fallback_from"},
+    "tokens": {"round"},
+    "request_finished": {"finish_reason", "timing"},
+}
+
+
 def for_viewer(event: dict, viewer: Viewer) -> dict:
-    """`event` as `viewer` may see it: never its owner; the text of another viewer's request
-    replaced by its counts (each token keeps its source, so per-source totals still add up), marked
-    `hidden`. Events of no request (aggregates) are the same for everyone."""
+    """`event` as `viewer` may see it: never its owner; of another viewer's request only its public
+    fields, marked `hidden`. Events of no request (aggregates) are the same for everyone."""
     if "owner" not in event:
         return event
-    owner = event["owner"]
-    shown = {k: v for k, v in event.items() if k != "owner"}
-    if viewer.may_read(owner):
-        return shown
+    if viewer.may_read(event["owner"]):
+        return {k: v for k, v in event.items() if k != "owner"}
     kind = event["type"]
+    shown = {"type": kind, "time": event["time"], "id": event["id"], "hidden": True,
+             **{k: v for k, v in event.items() if k in PUBLIC_FIELDS.get(kind, ())}}
     if kind == "tokens":
         shown["tokens"] = [{"source": t["source"]} for t in event.get("tokens") or []]
-    elif kind == "request_finished" and isinstance(event.get("stats"), dict):
-        shown["stats"] = {k: v for k, v in event["stats"].items() if k != "tokens"}  # the trace is text
-    shown["hidden"] = True
+    elif kind == "request_finished":
+        if isinstance(event.get("stats"), dict):
+            shown["stats"] = {k: v for k, v in event["stats"].items() if k != "tokens"}  # the trace is text
+        if event.get("error"):
+            shown["error"] = "failed (the details are the requester's)"  # a message may quote the request
     return shown
 
 

@@ -702,3 +702,25 @@ def test_a_second_viewer_sees_counts_not_text_and_the_admin_sees_both(browser):
         finally:
             for c in contexts.values():
                 c.close()
+
+
+def test_another_viewers_request_shows_only_its_public_fields():
+    from app.stats import for_viewer
+    from app.viewers import Viewer
+
+    owner, other, admin = Viewer("alice"), Viewer("bob"), Viewer(None, admin=True)
+    started = {"type": "request_started", "time": 1.0, "id": "r", "owner": "alice", "method": "whiflash",
+               "prompt_tokens": 7, "prompt": "a field added later, maybe text"}
+    tokens = {"type": "tokens", "time": 2.0, "id": "r", "owner": "alice", "round": 1,
+              "tokens": [{"id": 72, "text": "H", "source": "eagle3"}]}
+    failed = {"type": "request_finished", "time": 3.0, "id": "r", "owner": "alice", "finish_reason": "error",
+              "error": "generation failed: ValueError: 'secret text'"}
+    for event in (started, tokens, failed):
+        assert for_viewer(event, owner) == for_viewer(event, admin) == {k: v for k, v in event.items() if k != "owner"}
+    assert for_viewer(started, other) == {"type": "request_started", "time": 1.0, "id": "r", "hidden": True,
+                                          "method": "whiflash", "prompt_tokens": 7}
+    assert for_viewer(tokens, other)["tokens"] == [{"source": "eagle3"}]
+    assert "secret" not in json.dumps(for_viewer(failed, other)) and for_viewer(failed, other)["error"]
+    assert for_viewer(tokens, Viewer(None))["hidden"]  # nobody in particular sees no one's text
+    aggregate = {"type": "aggregate", "aggregate": {"tokens": 3}}
+    assert for_viewer(aggregate, other) is aggregate
