@@ -25,6 +25,12 @@ MAX_TOOLS = 128
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 
+# The smallest top_p passed to the engine. Every top_p at or below the most likely token's
+# probability keeps that token alone, and that probability is at least 1/vocabulary (> 1e-6 for any
+# vocabulary under a million tokens), so raising a smaller top_p to this changes no distribution; a
+# top_p as small as 5e-324 is 0 once cast to float32, which dropped every token (NaN -> 500).
+MIN_TOP_P = 1e-6
+
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKET = re.compile(r"[\[\]{}]")
 

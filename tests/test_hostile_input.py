@@ -62,6 +62,26 @@ def test_tiny_temperature_through_the_api():
         assert_still_serving(tc)
 
 
+def test_tiny_top_p_keeps_the_most_likely_token_not_nan():
+    from app.limits import MIN_TOP_P
+
+    # found by schemathesis: top_p 5e-324 is 0 in float32, so every token was dropped -> NaN -> 500
+    engine = RecordingEngine("ok")
+    app, tc = in_process(engine)
+    with tc:
+        for top_p in (5e-324, 1e-300):
+            r = tc.post("/v1/chat/completions", json={"messages": HI, "temperature": 1.0, "top_p": top_p})
+            assert r.status_code == 200, r.text
+            assert engine.last.sampling.top_p == MIN_TOP_P
+        assert tc.post("/v1/completions", json={"prompt": "hi", "top_p": 5e-324}).status_code == 200
+        assert_still_serving(tc)
+    # raising a tiny top_p to MIN_TOP_P changes no distribution: the most likely token alone remains
+    logits = torch.randn(4, 50_000)
+    for top_p in (MIN_TOP_P, 1e-9):
+        probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert probs.tolist() == target_probs(logits, SamplingParams(temperature=0.0)).tolist()
+
+
 # --- nesting depth -------------------------------------------------------------------------------
 
 
