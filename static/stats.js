@@ -52,11 +52,13 @@ async function checkAccess() {
   if (response.status === 401 || response.status === 403) {
     const body = await response.json().catch(() => ({}));
     const message = body.error ? body.error.message : `HTTP ${response.status}`;
+    const remote = body.error && body.error.code === "loopback_only";  // a key-less server seen from afar
     $("access-message").textContent = response.status === 401
       ? `${message} Enter the server's API key to see the live stream.`
-      : `${message} Start the server with --api-key and enter it here to view the stream remotely.`;
+      : remote ? `${message} Enter the admin key (--admin-key), or start the server with --api-key, to view it remotely.`
+        : message;
     $("access").classList.remove("hidden");
-    $("key-form").classList.toggle("hidden", response.status !== 401);
+    $("key-form").classList.toggle("hidden", response.status !== 401 && !remote);
   } else {
     setTimeout(connect, 1000);
   }

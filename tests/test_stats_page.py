@@ -139,10 +139,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app):
-    """The app under a real uvicorn on 127.0.0.1 (TestClient cannot follow an endless SSE stream)."""
+def serve(app, host: str = "127.0.0.1"):
+    """The app under a real uvicorn on `host` (TestClient cannot follow an endless SSE stream)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -151,7 +151,7 @@ def serve(app):
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(10)
@@ -724,3 +724,39 @@ def test_another_viewers_request_shows_only_its_public_fields():
     assert for_viewer(tokens, Viewer(None))["hidden"]  # nobody in particular sees no one's text
     aggregate = {"type": "aggregate", "aggregate": {"tokens": 3}}
     assert for_viewer(aggregate, other) is aggregate
+
+
+def outward_address() -> str | None:
+    """This machine's address on its network (a non-loopback peer for the server), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@needs_chromium
+def test_a_remote_admin_enters_the_admin_key_on_a_keyless_server(browser):
+    """Without keys the feed is for local viewers; from another address the page asks for the admin
+    key, and with it shows every request's text."""
+    address = outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address to play a remote viewer from")
+    app = create_app(FakeEngine(chunk=3), Settings(admin_key="adm1n-key"))
+    with serve(app, host=address) as url:
+        reply = chat_as(url)
+        context = browser.new_context(viewport={"width": 1280, "height": 700})
+        try:
+            pg = context.new_page()
+            pg.goto(url + "/stats")
+            pg.wait_for_selector("#access:not(.hidden) #key-form:not(.hidden)", timeout=15_000)
+            assert "admin key" in pg.inner_text("#access-message")
+            pg.fill("#key", "adm1n-key")
+            pg.click("#key-form button")
+            pg.wait_for_selector('#viewer:text("admin")', timeout=15_000)
+            text = reply["choices"][0]["message"]["content"]
+            assert "".join(t["text"] for t in wait_for_tokens(pg, reply["id"], len(text), timeout=10)) == text
+        finally:
+            context.close()
