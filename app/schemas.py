@@ -54,6 +54,7 @@ class ChatMessage(_Lenient):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    function_call: FunctionCall | None = None  # legacy: an assistant's call of `functions`
 
     @field_validator("content")
     @classmethod
@@ -75,6 +76,8 @@ class ChatMessage(_Lenient):
             out["name"] = self.name
         if self.tool_calls:
             out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        elif self.function_call is not None:
+            out["tool_calls"] = [{"type": "function", "function": self.function_call.model_dump()}]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
@@ -84,7 +87,7 @@ class FunctionDefinition(_Lenient):
     name: str = Field(pattern=r"^[a-zA-Z0-9_.\-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class Tool(_Lenient):
@@ -105,7 +108,7 @@ class JSONSchemaSpec(_Lenient):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
-    strict: bool | None = None
+    strict: bool | None = Field(None, strict=True)
 
 
 class ResponseFormat(_Lenient):
@@ -182,6 +185,12 @@ class ChatCompletionRequest(SamplingRequest):
     response_format: ResponseFormat | None = None
     logprobs: bool | None = Field(None, strict=True)
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, strict=True)
+    # the deprecated function-calling fields, served as tools / tool_choice (serving._map_legacy_functions)
+    functions: list[FunctionDefinition] | None = None
+    function_call: Literal["none", "auto"] | NamedFunction | None = None
+    # output other than text is refused (a 400), not ignored
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
 
 
 # --- response ----------------------------------------------------------------------------------
@@ -231,10 +240,11 @@ class ResponseToolCall(BaseModel):
 
 
 class ResponseMessage(_OmitNone):
-    omit_if_none = ("tool_calls",)
+    omit_if_none = ("tool_calls", "function_call")
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
+    function_call: ResponseFunction | None = None  # legacy `functions` requests
 
 
 class TopLogprob(BaseModel):
@@ -290,10 +300,11 @@ class DeltaToolCall(_OmitNone):
 
 
 class DeltaMessage(_OmitNone):
-    omit_if_none = ("role", "content", "tool_calls")
+    omit_if_none = ("role", "content", "tool_calls", "function_call")
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
+    function_call: DeltaFunction | None = None  # legacy `functions` requests
 
 
 class ChunkChoice(BaseModel):

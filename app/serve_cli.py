@@ -57,6 +57,14 @@ def add_parser(sub) -> None:
     p.add_argument("--parallel-tool-calls", action="store_true", default=None,
                    help="allow several tool calls per turn when a request does not say (default: one)")
     p.add_argument("--log-level", default=None)
+    # scale-out (app/replicas.py; needs the `replicas` extra: pip install 'whiflash[replicas]')
+    p.add_argument("--replicas", type=int, default=None,
+                   help="engine replicas behind one endpoint on Ray Serve, with conversation affinity "
+                        "(default 1: this process serves, no Ray)")
+    p.add_argument("--gpus-per-replica", type=float, default=None,
+                   help="GPUs reserved per replica (default: 1 on cuda, else 0)")
+    p.add_argument("--ray-address", default=None,
+                   help="deploy the replicas on this Ray cluster (default: start a local one)")
     p.set_defaults(func=run)
 
 
@@ -65,6 +73,24 @@ def settings_from_args(args: argparse.Namespace):
 
     overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command") and v is not None}
     return Settings(**overrides)  # init kwargs take precedence over WHIFLASH_* variables
+
+
+def replica_settings_from_args(args: argparse.Namespace):
+    """The scale-out settings when more than one replica is asked for (--replicas or
+    WHIFLASH_REPLICAS), else None: the single-process server, which never imports Ray."""
+    from .settings import ReplicaSettings
+
+    overrides = {k: v for k, v in vars(args).items() if k not in ("func", "command") and v is not None}
+    settings = ReplicaSettings(**overrides)
+    if settings.replicas == 1:
+        return None
+    try:
+        import ray.serve  # noqa: F401
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "ray":
+            raise SystemExit("--replicas needs Ray Serve: pip install 'whiflash[replicas]'") from None
+        raise
+    return settings
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     limit_malloc_arenas(settings.malloc_arena_max)  # before the engine and server start their threads
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    replicas = replica_settings_from_args(args)
+    if replicas is not None:
+        from .replicas import serve_replicas   # Ray is imported only here
+
+        return serve_replicas(settings, replicas)
     if settings.threads:
         torch.set_num_threads(settings.threads)
     engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=settings.threads,

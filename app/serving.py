@@ -1,8 +1,14 @@
 """`POST /v1/chat/completions`: request -> GenerationRequest -> scheduler -> response or SSE stream.
 
 Everything that can fail because of the request (validation, prompt length, grammar compilation,
-admission) happens in `prepare()` and `submit()`, before a streaming response sends its 200, so
-those failures are real HTTP errors. After that, a failure is an in-stream error event + [DONE].
+admission) happens in `start()` (`prepare()`, the grammar, `submit()`), before a streaming response
+sends its 200, so those failures are real HTTP errors. After that, a failure is an in-stream error
+event + [DONE].
+
+The chat route is also the engine path of `/v1/responses` (app/responses.py): `start()` submits a
+chat request, and `answers()` (the finished messages) or `deltas()` (the messages as they grow)
+follow it; both routes only format what these give. Content and tool calls come from one parser
+(app/tools.py), so streamed and non-streamed messages are the same.
 """
 from __future__ import annotations
 
@@ -13,7 +19,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 from collections.abc import AsyncIterator, Callable
 
@@ -21,9 +27,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from sse_starlette import EventSourceResponse
 
-from whiflash_core.chat import encode_chat
+from whiflash_core.chat import TOOL_CALL_OPEN, encode_chat, template_supports_tools
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
-from whiflash_core.logits import LogitAdjustments
+from whiflash_core.logits import LogitAdjustments, TokenLogprob
 from whiflash_core.sampling import SamplingParams
 
 from .errors import APIError, bad_request, context_length_exceeded, internal_error, model_not_found
@@ -35,10 +41,10 @@ from .logprobs import LogprobFormatter
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
 from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, Choice, ChoiceLogprobs,
-                      ChunkChoice, DeltaMessage, NamedToolChoice, ResponseFunction, ResponseMessage,
-                      ResponseToolCall, SamplingRequest, Usage)
+                      ChunkChoice, DeltaFunction, DeltaMessage, DeltaToolCall, NamedFunction, NamedToolChoice,
+                      ResponseFunction, ResponseMessage, ResponseToolCall, SamplingRequest, Tool, Usage)
 from .settings import Settings
-from .tools import StreamingToolParser, ends_inside_tool_call, new_tool_call_id, parse_tool_calls
+from .tools import ParsedToolCall, ToolCallParser, ends_inside_tool_call, parse_tool_calls
 from .viewers import request_owner
 
 log = logging.getLogger(__name__)
@@ -59,7 +65,43 @@ class Prepared:
     parallel_tool_calls: bool
     logprobs: bool
     info: dict[str, Any]  # request facts for the event feed
-    grammar: GrammarJob | None = None  # compiled into each choice's constraint in `create`, in grammar_jobs
+    grammar: GrammarJob | None = None  # compiled into each choice's constraint in `start`, in grammar_jobs
+    tool_names: set[str] | None = None  # the calls the parser accepts
+    legacy_functions: bool = False      # asked with `functions`: answer with the legacy `function_call`
+
+    def accumulator(self, tokenizer) -> TextAccumulator:
+        """A choice's text: stop strings apply to its content, never inside a tool call."""
+        return TextAccumulator(tokenizer, self.stop, TOOL_CALL_OPEN if self.parse_tools else None)
+
+    def tool_parser(self) -> ToolCallParser | None:
+        return ToolCallParser(self.parallel_tool_calls, self.tool_names) if self.parse_tools else None
+
+
+@dataclass
+class Answer:
+    """One choice's finished message; the same whether it was streamed or not."""
+    content: str | None
+    calls: list[ParsedToolCall]
+    finish_reason: str
+    state: ChoiceState
+
+
+@dataclass
+class ChoiceDelta:
+    """What a round added to one choice's message: content, newly complete calls (`first` is the
+    index of the first of them among the choice's calls), the logprobs of its tokens."""
+    index: int
+    content: str = ""
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    first: int = 0
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+@dataclass
+class ChoiceDone:
+    index: int
+    finish_reason: str
+    state: ChoiceState
 
 
 @dataclass
@@ -107,6 +149,7 @@ class ChatServing:
         tokenization and grammar compilation are CPU work."""
         if req.unknown_fields:
             log.debug("ignoring unknown request fields %s", req.unknown_fields)
+        req = self._map_legacy_functions(req)
         # before anything walks the request recursively (templates, tool prompts, grammars)
         fields = req.model_dump(by_alias=True, exclude_none=True)
         check_nesting(fields)
@@ -116,6 +159,11 @@ class ChatServing:
             raise context_length_exceeded(f"at least {-(-chars // self.token_chars)}", self.engine.max_context)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("logprobs must be true when top_logprobs is set.", "top_logprobs")
+        if req.modalities is not None and set(req.modalities) != {"text"}:
+            raise bad_request("Only text output is supported: `modalities` must be [\"text\"].", "modalities",
+                              "unsupported_value")
+        if req.audio is not None:
+            raise bad_request("Audio output is not supported.", "audio", "unsupported_value")
 
         tools = [t.model_dump(exclude_none=True, by_alias=True) for t in req.tools or []]
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
@@ -124,10 +172,12 @@ class ChatServing:
             raise bad_request("When using `tool_choice`, `tools` must be set.", "tool_choice")
         if named is not None and named not in {t["function"]["name"] for t in tools}:
             raise bad_request(f"tool_choice names {named!r}, which is not among the tools.", "tool_choice")
-        # Absent means the server default: one call per turn unless configured otherwise (llama.cpp's
-        # choice; under `required` a small model otherwise keeps appending calls until max_tokens).
+        # Absent means the server default, true as in OpenAI; the grammar still allows each tool at
+        # most once per turn, so a small model cannot keep appending calls. Legacy `function_call`
+        # answers hold one call.
         parallel = req.parallel_tool_calls if req.parallel_tool_calls is not None \
             else self.settings.parallel_tool_calls
+        parallel = parallel and not req.functions
         # tool_choice "none": the tools are left out of the prompt, so the model answers in text
         prompt_tools = tools if choice != "none" else None
 
@@ -153,10 +203,29 @@ class ChatServing:
             id=request_id, created=int(time.time()), generations=generations, grammar=grammar,
             stream=bool(req.stream), include_usage=self.include_usage(req),
             stop=list(req.stop or []), parse_tools=choice != "none", parallel_tool_calls=parallel,
-            logprobs=logprobs is not None,
+            logprobs=logprobs is not None, tool_names={t["function"]["name"] for t in tools},
+            legacy_functions=bool(req.functions),
             info={"temperature": temperature, "stream": bool(req.stream), "tools": len(tools),
                   # `user` is the client's own identifier of its end user: never published on the feed
                   "tool_choice": choice if isinstance(choice, str) else "named"})
+
+    @staticmethod
+    def _map_legacy_functions(req: ChatCompletionRequest) -> ChatCompletionRequest:
+        """The deprecated `functions` / `function_call` fields as tools / tool_choice (as vLLM and
+        llama.cpp read them); the answer then comes back in the legacy `function_call` field."""
+        if req.functions is None:
+            if req.function_call is not None:
+                raise bad_request("When using `function_call`, `functions` must be set.", "function_call")
+            return req
+        if req.tools is not None:
+            raise bad_request("Use either `tools` or the deprecated `functions`, not both.", "functions")
+        if req.tool_choice is not None:
+            raise bad_request("Use either `tool_choice` or the deprecated `function_call`, not both.", "function_call")
+        fc = req.function_call
+        choice = NamedToolChoice(type="function", function=NamedFunction(name=fc.name)) \
+            if isinstance(fc, NamedFunction) else fc
+        return req.model_copy(update={"tools": [Tool(type="function", function=f) for f in req.functions],
+                                      "tool_choice": choice})
 
     # -- fields chat and legacy completions share (completions.py reuses these) --------------------
 
@@ -205,6 +274,7 @@ class ChatServing:
         auto with tools                free text, and a call once the model opens one (lazy grammar);
                                        with response_format: tool calls or the structured answer
         response_format alone          the JSON answer
+        tool results, no tools offered free text that does not echo the prompt's tool markup
         """
         schema, strict = self._answer_schema(req.response_format)
         if schema is not None:
@@ -220,7 +290,14 @@ class ChatServing:
             return GrammarJob("tools", lambda: self.grammars.lazy_tool_calls(tools, parallel))
         if schema is not None:
             return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict))
+        if self.settings.lazy_tool_grammar and self._shows_tool_markup(req):
+            return GrammarJob("messages", self.grammars.free_text)
         return None
+
+    def _shows_tool_markup(self, req: ChatCompletionRequest) -> bool:
+        """Whether the prompt holds Hermes tool calls or results (a small model echoes them)."""
+        return not template_supports_tools(self.engine.tokenizer) and any(
+            m.role in ("tool", "function") or m.tool_calls or m.function_call for m in req.messages)
 
     @staticmethod
     def _answer_schema(fmt) -> tuple[dict | bool | None, bool]:
@@ -259,6 +336,16 @@ class ChatServing:
     # -- entry point ----------------------------------------------------------------------------
 
     async def create(self, req: ChatCompletionRequest, http: Request):
+        prepared, handles = await self.start(req, http)
+        if prepared.stream:
+            return EventSourceResponse(self._stream(prepared, handles), sep="\n", ping=SSE_PING_SECONDS)
+        try:
+            return await self._complete(prepared, handles, http)
+        finally:
+            cancel_all(handles)  # stops the engine if we leave early
+
+    async def start(self, req: ChatCompletionRequest, http: Request) -> tuple[Prepared, list[RequestHandle]]:
+        """Validate, compile the grammar and submit every choice (raises APIError before any of it runs)."""
         self.check_model(req)
         prepared = await asyncio.to_thread(self.prepare, req)
         namespace = self.tenant(http)
@@ -267,14 +354,8 @@ class ChatServing:
             if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
                 job = prepared.grammar
                 gen.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
-        handles = submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info,
-                             request_owner(http, self.settings))
-        if prepared.stream:
-            return EventSourceResponse(self._stream(prepared, handles), sep="\n", ping=SSE_PING_SECONDS)
-        try:
-            return await self._complete(prepared, handles, http)
-        finally:
-            cancel_all(handles)  # stops the engine if we leave early
+        return prepared, submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info,
+                                    request_owner(http, self.settings))
 
     def tenant(self, http: Request) -> str:
         """The prefix-cache namespace of a request: its API key (hashed), when keys are required, so
@@ -283,29 +364,49 @@ class ChatServing:
             return ""
         return hashlib.sha256(http.headers.get("authorization", "").encode()).hexdigest()
 
-    # -- non-streaming ----------------------------------------------------------------------------
+    # -- following the choices -------------------------------------------------------------------
 
-    async def _complete(self, p: Prepared, handles: list[RequestHandle], http: Request) -> JSONResponse:
-        states = await asyncio.gather(*(collect(h, ChoiceState(TextAccumulator(self.engine.tokenizer, p.stop)), http)
+    async def answers(self, p: Prepared, handles: list[RequestHandle], http: Request) -> list[Answer]:
+        """Every choice's finished message (non-streaming)."""
+        states = await asyncio.gather(*(collect(h, ChoiceState(p.accumulator(self.engine.tokenizer)), http)
                                         for h in handles))
-        choices = [self._choice(p, i, state) for i, state in enumerate(states)]
-        body = ChatCompletionResponse(
-            id=p.id, created=p.created, model=self.model_name, choices=choices,
-            usage=choice_usage(states, len(p.generations[0].prompt_ids)), speculation=choice_stats(states))
-        return JSONResponse(body.model_dump(mode="json"))
+        answers = []
+        for state in states:
+            text = state.acc.text
+            content, calls = parse_tool_calls(text, p.parallel_tool_calls, p.tool_names) if p.parse_tools \
+                else (text, [])
+            answers.append(Answer(content, calls, self._finish_reason(state.finished, state.acc, bool(calls),
+                                                                      p.parse_tools), state))
+        return answers
 
-    def _choice(self, p: Prepared, index: int, state: ChoiceState) -> Choice:
-        text = state.acc.text
-        if p.parse_tools:
-            content, calls = parse_tool_calls(text, p.parallel_tool_calls)
-        else:
-            content, calls = text, []
-        reason = self._finish_reason(state.finished, state.acc, bool(calls), p.parse_tools)
-        message = ResponseMessage(content=content, tool_calls=[
-            ResponseToolCall(id=new_tool_call_id(), function=ResponseFunction(name=c.name, arguments=c.arguments))
-            for c in calls] or None)
-        logprobs = self.logprob_format.chat(state.logprobs) if p.logprobs else None
-        return Choice(index=index, message=message, finish_reason=reason, logprobs=logprobs)
+    async def deltas(self, p: Prepared, handles: list[RequestHandle]) -> AsyncIterator[ChoiceDelta | ChoiceDone]:
+        """Every choice's message as it grows (streaming): what each round added, then its end. The
+        deltas of a choice add up to its `answers()` message. An engine failure raises its APIError."""
+        choices = [_StreamedChoice(ChoiceState(p.accumulator(self.engine.tokenizer)), p.tool_parser())
+                   for _ in handles]
+        async for i, item in merged(handles):
+            c = choices[i]
+            if isinstance(item, TokenBatch):
+                if c.state.acc.stopped:
+                    continue
+                used = c.state.add(item)
+                if c.state.acc.stopped:
+                    handles[i].cancel("stop")
+                d = c.delta(i, final=False)
+                if p.logprobs and used:
+                    d.logprobs = used
+                if d.content or d.calls or d.logprobs:
+                    yield d
+            elif isinstance(item, Failed):
+                raise item.error
+            else:
+                c.state.finished = item
+                c.state.acc.finish()
+                d = c.delta(i, final=True)
+                if d.content or d.calls:
+                    yield d
+                has_calls = bool(c.tools and c.tools.calls)
+                yield ChoiceDone(i, self._finish_reason(item, c.state.acc, has_calls, p.parse_tools), c.state)
 
     @staticmethod
     def _finish_reason(finished: Finished, acc: TextAccumulator, has_calls: bool, parse_tools: bool) -> str:
@@ -317,7 +418,32 @@ class ChatServing:
             return "stop"
         return finished.finish_reason
 
-    # -- streaming ------------------------------------------------------------------------------
+    # -- chat completions: non-streaming ----------------------------------------------------------
+
+    async def _complete(self, p: Prepared, handles: list[RequestHandle], http: Request) -> JSONResponse:
+        answers = await self.answers(p, handles, http)
+        states = [a.state for a in answers]
+        choices = [self._choice(p, i, a) for i, a in enumerate(answers)]
+        body = ChatCompletionResponse(
+            id=p.id, created=p.created, model=self.model_name, choices=choices,
+            usage=choice_usage(states, len(p.generations[0].prompt_ids)), speculation=choice_stats(states))
+        return JSONResponse(body.model_dump(mode="json"))
+
+    def _choice(self, p: Prepared, index: int, a: Answer) -> Choice:
+        reason = a.finish_reason
+        if p.legacy_functions:
+            call = a.calls[0] if a.calls else None
+            message = ResponseMessage(content=a.content, function_call=call and ResponseFunction(
+                name=call.name, arguments=call.arguments))
+            reason = "function_call" if reason == "tool_calls" else reason
+        else:
+            message = ResponseMessage(content=a.content, tool_calls=[
+                ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+                for c in a.calls] or None)
+        logprobs = self.logprob_format.chat(a.state.logprobs) if p.logprobs else None
+        return Choice(index=index, message=message, finish_reason=reason, logprobs=logprobs)
+
+    # -- chat completions: streaming ----------------------------------------------------------------
 
     def _chunk(self, p: Prepared, delta: DeltaMessage | None, finish_reason: str | None = None,
                usage: Usage | None = None, speculation: dict | None = None, index: int = 0,
@@ -328,39 +454,33 @@ class ChatServing:
                                     usage=usage, speculation=speculation)
         return chunk.model_dump_json()
 
+    @staticmethod
+    def _delta_message(p: Prepared, d: ChoiceDelta) -> DeltaMessage:
+        """A call is sent whole, in one delta: id, type and name once, and all of its arguments."""
+        if p.legacy_functions:
+            call = d.calls[0] if d.calls else None
+            return DeltaMessage(content=d.content or None,
+                                function_call=call and DeltaFunction(name=call.name, arguments=call.arguments))
+        return DeltaMessage(content=d.content or None, tool_calls=[
+            DeltaToolCall(index=d.first + k, id=c.id, type="function",
+                          function=DeltaFunction(name=c.name, arguments=c.arguments))
+            for k, c in enumerate(d.calls)] or None)
+
     async def _stream(self, p: Prepared, handles: list[RequestHandle]) -> AsyncIterator[str]:
-        choices = [_StreamedChoice(ChoiceState(TextAccumulator(self.engine.tokenizer, p.stop)),
-                                   StreamingToolParser(p.parallel_tool_calls) if p.parse_tools else None)
-                   for _ in handles]
+        states: list[ChoiceState | None] = [None] * len(handles)
         try:
             for i in range(len(handles)):
                 yield self._chunk(p, DeltaMessage(role="assistant", content=""), index=i)
-            async for i, item in merged(handles):
-                c = choices[i]
-                if isinstance(item, TokenBatch):
-                    if c.state.acc.stopped:
-                        continue
-                    used = c.state.add(item)
-                    if c.state.acc.stopped:
-                        handles[i].cancel("stop")
-                    d = c.delta(final=False)
-                    logprobs = self.logprob_format.chat(used) if p.logprobs and used else None
-                    if d is not None or logprobs is not None:
-                        yield self._chunk(p, d or DeltaMessage(), index=i, logprobs=logprobs)
-                elif isinstance(item, Failed):
-                    yield json.dumps(item.error.body())
-                    yield "[DONE]"
-                    return
+            async for d in self.deltas(p, handles):
+                if isinstance(d, ChoiceDelta):
+                    logprobs = self.logprob_format.chat(d.logprobs) if d.logprobs else None
+                    yield self._chunk(p, self._delta_message(p, d), index=d.index, logprobs=logprobs)
                 else:
-                    c.state.finished = item
-                    c.state.acc.finish()
-                    d = c.delta(final=True)
-                    if d is not None:
-                        yield self._chunk(p, d, index=i)
-                    reason = self._finish_reason(item, c.state.acc, bool(c.tools and c.tools.calls), p.parse_tools)
-                    stats = None if p.include_usage or len(handles) > 1 else choice_stats([c.state])
-                    yield self._chunk(p, DeltaMessage(), reason, index=i, speculation=stats)
-            states = [c.state for c in choices]
+                    states[d.index] = d.state
+                    reason = "function_call" if p.legacy_functions and d.finish_reason == "tool_calls" \
+                        else d.finish_reason
+                    stats = None if p.include_usage or len(handles) > 1 else choice_stats([d.state])
+                    yield self._chunk(p, DeltaMessage(), reason, index=d.index, speculation=stats)
             if p.include_usage:
                 yield self._chunk(p, None, usage=choice_usage(states, len(p.generations[0].prompt_ids)),
                                   speculation=choice_stats(states))
@@ -369,6 +489,9 @@ class ChatServing:
             yield "[DONE]"
         except asyncio.CancelledError:  # client went away (sse-starlette cancels us)
             raise
+        except APIError as exc:  # the engine failed this request
+            yield json.dumps(exc.body())
+            yield "[DONE]"
         except Exception as exc:
             log.exception("stream %s failed", p.id)
             yield json.dumps(internal_error(f"stream failed: {type(exc).__name__}: {exc}").body())
@@ -381,16 +504,15 @@ class ChatServing:
 class _StreamedChoice:
     """One choice of a streamed response: its text and what of it has been sent."""
     state: ChoiceState
-    tools: StreamingToolParser | None
+    tools: ToolCallParser | None
     sent: int = 0
 
-    def delta(self, final: bool) -> DeltaMessage | None:
+    def delta(self, index: int, final: bool) -> ChoiceDelta:
         text = self.state.acc.visible(final)
-        if self.tools is not None:
-            content, calls = self.tools.update(text, final)
-        else:
+        if self.tools is None:
             content, calls = text[self.sent:], []
             self.sent = len(text)
-        if not content and not calls:
-            return None
-        return DeltaMessage(content=content or None, tool_calls=calls or None)
+            return ChoiceDelta(index, content)
+        first = len(self.tools.calls)
+        content, calls = self.tools.update(text, final)
+        return ChoiceDelta(index, content, calls, first)

@@ -62,10 +62,12 @@ class Settings(BaseSettings):
     default_temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default
     default_top_p: float = Field(1.0, gt=0.0, le=1.0)
     force_include_usage: bool = False
-    parallel_tool_calls: bool = Field(False, description="default when a request does not say")
+    parallel_tool_calls: bool = Field(
+        True, description="default when a request does not say (OpenAI's: true); the grammar allows each "
+                          "tool at most once per turn")
     lazy_tool_grammar: bool = Field(
-        True, description="tool_choice auto: constrain a call once the model writes <tool_call> "
-                          "(off: free output, parsed afterwards)")
+        True, description="tool_choice auto: constrain a call once the model writes <tool_call>; free text "
+                          "may not echo the prompt's tool markup (off: free output, parsed afterwards)")
 
     # speculation defaults (a request's `speculation` object overrides them); defaults, bounds and
     # help come from whiflash_core.config.SpeculationConfig
@@ -93,3 +95,17 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return [v.strip() for v in value.split(",") if v.strip()]
         return value
+
+
+class ReplicaSettings(BaseSettings):
+    """Scale-out settings (`WHIFLASH_<NAME>` or the `whiflash serve` flags of the same names)."""
+    model_config = SettingsConfigDict(env_prefix="WHIFLASH_", extra="ignore")
+
+    replicas: int = Field(1, ge=1, description="engine replicas behind one endpoint (1: the single-process "
+                                               "server, no Ray)")
+    gpus_per_replica: float | None = Field(None, ge=0, description="GPUs reserved per replica (default: 1 when "
+                                                                   "serving on cuda, else 0)")
+    ray_address: str | None = Field(None, description="an existing Ray cluster to deploy on (default: start a "
+                                                      "local one, shut down with the server)")
+    health_check_period_s: float = Field(2.0, gt=0, description="how often Ray Serve checks each replica "
+                                                                "(a dead one is replaced)")

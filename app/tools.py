@@ -1,29 +1,35 @@
 """Hermes tool calls in model output: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`.
 
-Streaming uses the parse-and-diff design (vLLM's recent Hermes parser): every round the
-accumulated text is parsed and only what was not sent yet goes out, so it does not matter where
-token or round boundaries fall, which is what makes it safe under speculative decoding, where one
-round can carry many tokens. The scan of each call's JSON resumes where the last round's stopped
-(`_ObjectFields`), so a long call costs time linear in its length, not quadratic.
+One parser serves both kinds of response: streaming calls `ToolCallParser.update(text, final)`
+with the growing text every round, non-streaming calls it once with the whole text
+(`parse_tool_calls`). Its decisions depend only on regions whose `</tool_call>` has arrived (or on
+the end of the output), never on where round boundaries fall, so the streamed message always
+equals the non-streamed one, under speculative decoding too (one round can carry many tokens):
 
-The arguments are streamed as the raw text slice of the model's `"arguments"` value, found by
-brace matching that ignores braces inside strings. A partial slice is always a prefix of the
-final one, so fragments concatenate to exactly the non-streaming `arguments` string.
+* content is the text before the first `<tool_call>` (trailing whitespace dropped);
+* a call counts once its `</tool_call>` has arrived and its body is a valid call: a JSON object
+  with a `name` among the tools and `arguments` (or `parameters`) an object, or a JSON string
+  holding an object; its `arguments` are the model's own text of that value. It is streamed whole
+  (id, name and arguments in one delta), so a call that turns out cut off or invalid was never sent;
+* if the first call is cut off (max_tokens) or invalid, the output is not a tool call: all of the
+  text is content (vLLM's rule), finish_reason `length` when it was cut off;
+* after a valid call, a cut-off or invalid one ends the calls (the valid ones before it are kept);
+  text between and after calls is not content;
+* with parallel_tool_calls false only the first call counts (the grammar allows no second one).
+
+Each update scans only text no earlier update has scanned, so a response costs time linear in its
+length, however many rounds it streams in.
 """
 from __future__ import annotations
 
 import json
-import logging
 import secrets
 import string
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from whiflash_core.chat import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 
 from .limits import MAX_JSON_DEPTH, json_text_depth
-from .schemas import DeltaFunction, DeltaToolCall
-
-log = logging.getLogger(__name__)
 
 _ALPHANUM = string.ascii_letters + string.digits
 
@@ -88,11 +94,6 @@ class _ValueScan:
             i += 1
         self.i, self.depth, self.in_string = (end if end is not None else i), depth, in_string
         return end
-
-
-def _string_end(s: str, i: int) -> int | None:
-    """s[i] == '"'; index just past the closing quote, or None if the string is incomplete."""
-    return _ValueScan(i).run(s)
 
 
 @dataclass
@@ -182,24 +183,6 @@ def _regions(text: str) -> list[tuple[str, bool]]:
     return out
 
 
-def _name(body: str, fields: dict[str, _Field]) -> str | None:
-    f = fields.get("name")
-    if f is None or f.end is None or body[f.start] != '"':
-        return None
-    return json.loads(body[f.start:f.end])
-
-
-def _arguments(body: str, fields: dict[str, _Field], complete: bool) -> str | None:
-    """The raw `arguments` text so far (all of it if `complete`); None if nothing can be sent yet."""
-    f = fields.get("arguments", fields.get("parameters"))
-    if f is None:
-        return "{}" if complete else None
-    if f.end is not None:
-        return body[f.start:f.end]
-    # an incomplete object can be streamed as a prefix; other values only once complete
-    return body[f.start:].rstrip() if body[f.start] == "{" else None
-
-
 def _partial_overlap(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -208,114 +191,118 @@ def _partial_overlap(text: str, tag: str) -> int:
     return 0
 
 
-# --- non-streaming -----------------------------------------------------------------------------
+# --- the parser ------------------------------------------------------------------------------
 
 
 @dataclass
 class ParsedToolCall:
     name: str
     arguments: str
+    id: str = field(default_factory=new_tool_call_id, compare=False)
 
 
-def parse_tool_calls(text: str, parallel: bool = True) -> tuple[str | None, list[ParsedToolCall]]:
-    """(content, calls) of a finished output. If a tool-call body is not a valid
-    `{"name": str, "arguments": object}`, the whole text is returned as content (vLLM's rule),
-    except for a last call cut off by max_tokens after complete ones, which is dropped."""
-    start = text.find(TOOL_CALL_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    regions = _regions(text)
-    for i, (body, closed) in enumerate(regions):
-        try:
-            # too deep is not a call we accept (and would exhaust json's recursion: 500)
-            if json_text_depth(body) > MAX_JSON_DEPTH:
-                raise json.JSONDecodeError(f"nested deeper than {MAX_JSON_DEPTH} levels", body, 0)
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            if not closed and i == len(regions) - 1 and calls:
-                break  # a last call cut off by max_tokens: keep the complete ones before it
-            return text, []
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return text, []
-        fields = _top_level_fields(body)
-        args = _arguments(body, fields, complete=True)
-        value = obj.get("arguments", obj.get("parameters", {}))
-        if not isinstance(value, dict):
-            return text, []
-        calls.append(ParsedToolCall(obj["name"], args if args is not None else json.dumps(value)))
-    if not parallel:
-        calls = calls[:1]
-    content = text[:start].rstrip()
-    return (content or None), calls
+def _json_object_text(text: str) -> bool:
+    """Whether `text` is JSON text of an object (bounded in depth: json's recursion would 500)."""
+    if json_text_depth(text) > MAX_JSON_DEPTH:
+        return False
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
 
 
-# --- streaming ---------------------------------------------------------------------------------
+def parse_call(body: str, names: set[str] | None = None) -> ParsedToolCall | None:
+    """The call in the body of a closed `<tool_call>` region, or None if it is not a valid call
+    (of one of `names`, when given)."""
+    if not _json_object_text(body):
+        return None
+    obj = json.loads(body)
+    name = obj.get("name")
+    if not isinstance(name, str) or (names is not None and name not in names):
+        return None
+    key = "arguments" if "arguments" in obj else "parameters" if "parameters" in obj else None
+    if key is None:
+        return ParsedToolCall(name, "{}")
+    value = obj[key]
+    if isinstance(value, str):  # some models write the arguments as a JSON string
+        return ParsedToolCall(name, value) if _json_object_text(value) else None
+    if not isinstance(value, dict):
+        return None
+    span = _top_level_fields(body)[key]
+    return ParsedToolCall(name, body[span.start:span.end])
 
 
-@dataclass
-class _SentCall:
-    id: str
-    name: str
-    arguments: str = ""
+class ToolCallParser:
+    """The content and tool calls of a growing output text, each part reported once."""
 
-
-class StreamingToolParser:
-    """Turns the growing output text into content and tool-call deltas, sending each part once."""
-
-    def __init__(self, parallel: bool = True):
-        self.parallel = parallel
+    def __init__(self, parallel: bool = True, names: set[str] | None = None):
+        self.parallel, self.names = parallel, names
+        self.calls: list[ParsedToolCall] = []
         self.content_sent = 0
-        self.calls: list[_SentCall] = []
-        self._fields: list[_ObjectFields] = []  # per region, resumed every round (linear in the output)
+        self._plain = False                  # the output is not tool calls: all of it is content
+        self._done = False                   # no further calls count
+        self._content_end: int | None = None  # end of the content, once the first `<tool_call>` is seen
+        self._open_at: int | None = None     # where the region being generated starts
+        self._scan = 0                       # where the search for the next tag resumes
 
-    def update(self, text: str, final: bool = False) -> tuple[str, list[DeltaToolCall]]:
-        start = text.find(TOOL_CALL_OPEN)
-        if start >= 0:
-            content_end = len(text[:start].rstrip())
-        elif final:
-            content_end = len(text)
-        else:
-            # hold back what could still become "<tool_call>", and trailing whitespace (dropped
-            # before a tool call, as in the non-streaming content)
-            held = text[: len(text) - _partial_overlap(text, TOOL_CALL_OPEN)]
-            content_end = len(held.rstrip())
-        content = text[self.content_sent:content_end] if content_end > self.content_sent else ""
-        self.content_sent = max(self.content_sent, content_end)
-        if start < 0:
-            return content, []
-
-        deltas = []
-        for index, (body, closed) in enumerate(_regions(text)):
-            if index > 0 and not self.parallel:
+    def update(self, text: str, final: bool = False) -> tuple[str, list[ParsedToolCall]]:
+        """New content and newly complete calls in `text`, the whole output so far."""
+        new_calls = []
+        while not (self._plain or self._done):
+            if self._open_at is None:
+                start = text.find(TOOL_CALL_OPEN, self._scan)
+                if start < 0:
+                    self._scan = max(self._scan, len(text) - len(TOOL_CALL_OPEN) + 1)
+                    break
+                if self._content_end is None:
+                    self._content_end = len(text[:start].rstrip())
+                self._open_at = start
+                self._scan = start + len(TOOL_CALL_OPEN)
+            end = text.find(TOOL_CALL_CLOSE, self._scan)
+            if end < 0:
+                self._scan = max(self._scan, len(text) - len(TOOL_CALL_CLOSE) + 1)
+                if final:
+                    self._no_more_calls()  # cut off
                 break
-            if index >= len(self._fields):
-                self._fields.append(_ObjectFields())
-            fields = self._fields[index].update(body)
-            complete = closed or final
-            if index >= len(self.calls):
-                name = _name(body, fields)
-                if name is None:
-                    break  # later calls wait for this one's header
-                self.calls.append(_SentCall(new_tool_call_id(), name))
-                header = True
-            else:
-                header = False
-            call = self.calls[index]
-            args = _arguments(body, fields, complete) or ""
-            fragment = ""
-            if len(args) > len(call.arguments):
-                if not args.startswith(call.arguments):  # cannot happen for well-formed output
-                    log.warning("tool call %d arguments diverged from what was streamed", index)
-                else:
-                    fragment = args[len(call.arguments):]
-                    call.arguments = args
-            if header:
-                deltas.append(DeltaToolCall(index=index, id=call.id, type="function",
-                                            function=DeltaFunction(name=call.name, arguments=fragment)))
-            elif fragment:
-                deltas.append(DeltaToolCall(index=index, function=DeltaFunction(arguments=fragment)))
-        return content, deltas
+            call = parse_call(text[self._open_at + len(TOOL_CALL_OPEN):end], self.names)
+            self._open_at, self._scan = None, end + len(TOOL_CALL_CLOSE)
+            if call is None:
+                self._no_more_calls()
+                break
+            self.calls.append(call)
+            new_calls.append(call)
+            self._done = not self.parallel
+        end = self._content_until(text, final)
+        content = text[self.content_sent:end] if end > self.content_sent else ""
+        self.content_sent = max(self.content_sent, end)
+        return content, new_calls
+
+    def _no_more_calls(self) -> None:
+        """A call cut off or invalid: after valid calls it ends them; as the first, the output is text."""
+        if self.calls:
+            self._done = True
+        else:
+            self._plain = True
+
+    def _content_until(self, text: str, final: bool) -> int:
+        if self._plain or (final and self._content_end is None):
+            return len(text)
+        if self._content_end is not None:
+            return self._content_end
+        # no call yet: hold back what could still become "<tool_call>", and trailing whitespace
+        # (dropped before a call, as in the non-streaming content)
+        end = len(text) - _partial_overlap(text, TOOL_CALL_OPEN)
+        while end > self.content_sent and text[end - 1].isspace():
+            end -= 1
+        return end
+
+
+def parse_tool_calls(text: str, parallel: bool = True,
+                     names: set[str] | None = None) -> tuple[str | None, list[ParsedToolCall]]:
+    """(content, calls) of a finished output: the streaming parser, given the whole text at once.
+    Content is None when there are calls and no text before them."""
+    content, calls = ToolCallParser(parallel, names).update(text, final=True)
+    return (content or None) if calls else content, calls
 
 
 def ends_inside_tool_call(text: str) -> bool:

@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from app.output import TextAccumulator
 from app.settings import Settings
-from app.tools import StreamingToolParser, parse_tool_calls
+from app.tools import ToolCallParser, parse_tool_calls
 from whiflash_core.rounds import Round, Tally
 
 # --- tool-call parsing under every chunking ------------------------------------------------------
@@ -35,50 +35,75 @@ RECORDED = [
 PLAIN = ["Hello <tool but not a call", "x < y and y > z  \n", "<tool_call>not json</tool_call> trailing"]
 
 
-def stream_parse(text: str, size: int, parallel: bool = True):
-    parser = StreamingToolParser(parallel)
-    content, calls = "", {}
+def stream_parse(text: str, size: int, parallel: bool = True, names=None):
+    """(content, [(name, arguments)]) of `text` streamed `size` characters at a time."""
+    parser = ToolCallParser(parallel, names)
+    content, calls = "", []
     cuts = list(range(size, len(text), size)) + [len(text)]
     for n, cut in enumerate(cuts):
-        piece, deltas = parser.update(text[:cut], final=n == len(cuts) - 1)
+        piece, new = parser.update(text[:cut], final=n == len(cuts) - 1)
         content += piece
-        for d in deltas:
-            entry = calls.setdefault(d.index, {"ids": 0, "name": None, "arguments": ""})
-            if d.id:
-                entry["ids"] += 1
-                assert d.type == "function" and d.function.name and entry["name"] is None
-                entry["name"] = d.function.name
-            else:
-                assert d.type is None and d.function.name is None  # id/type/name only once
-            entry["arguments"] += d.function.arguments or ""
-    return content, [calls[i] for i in sorted(calls)]
+        calls += [(c.name, c.arguments) for c in new]
+    return content, calls
+
+
+def final_parse(text: str, parallel: bool = True, names=None):
+    content, calls = parse_tool_calls(text, parallel, names)
+    return content, [(c.name, c.arguments) for c in calls]
 
 
 @pytest.mark.parametrize("text,content,expected", RECORDED)
 def test_streamed_tool_calls_match_final_parse_for_every_chunking(text, content, expected):
-    assert parse_tool_calls(text) == (content, [type(parse_tool_calls(text)[1][0])(n, a) for n, a in expected])
+    assert final_parse(text) == (content, expected)
     for size in range(1, len(text) + 1):
         streamed_content, calls = stream_parse(text, size)
-        assert (streamed_content or None) == content, size
-        if text.endswith("argu"):  # the cut-off call's header is streamed but has no arguments
-            calls = calls[:1]
-        assert [(c["name"], c["arguments"]) for c in calls] == expected, size
-        assert all(c["ids"] == 1 for c in calls)
+        assert ((streamed_content or None) if calls else streamed_content, calls) == (content, expected), size
 
 
 @pytest.mark.parametrize("text", PLAIN)
 def test_plain_text_streams_unchanged(text):
-    content, calls = parse_tool_calls(text)
-    assert content == text and calls == []
-    if "<tool_call>" not in text:
-        for size in range(1, len(text) + 1):
-            assert stream_parse(text, size) == (text, [])
+    assert final_parse(text) == (text, [])
+    for size in range(1, len(text) + 1):
+        assert stream_parse(text, size) == (text, []), size
+
+
+# a call cut off by max_tokens, arguments that are not an object, a body that is not a call, a tool
+# not offered: never a call, and all of the text as content, streamed or not (issue 17, finding 3)
+NOT_CALLS = [
+    '<tool_call>\n{"name": "get_weather",',
+    'Let me see.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+    '<tool_call>\n{"name": "get_weather", "arguments": "Paris"}\n</tool_call>',
+    '<tool_call>\n{"name": "get_weather", "arguments": ["Paris"]}\n</tool_call>',
+    '<tool_call>\nget_weather(city="Paris")\n</tool_call>',
+    '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+]
+
+
+@pytest.mark.parametrize("text", NOT_CALLS)
+def test_cut_off_or_invalid_calls_are_content_streamed_or_not(text):
+    names = {"get_weather"}
+    assert final_parse(text, names=names) == (text, [])
+    for size in range(1, len(text) + 1):
+        assert stream_parse(text, size, names=names) == (text, []), size
+
+
+def test_arguments_as_a_json_string_holding_an_object():
+    text = '<tool_call>\n{"name": "f", "arguments": "{\\"city\\": \\"Paris\\"}"}\n</tool_call>'
+    assert final_parse(text) == (None, [("f", '{"city": "Paris"}')])
+    assert all(stream_parse(text, size) == ("", [("f", '{"city": "Paris"}')]) for size in (1, 5, len(text)))
+
+
+def test_after_a_valid_call_an_invalid_one_ends_the_calls():
+    text = RECORDED[0][0] + "\n<tool_call>\nnot a call\n</tool_call>\n" + RECORDED[0][0]
+    expected = (None, RECORDED[0][2])
+    assert final_parse(text) == expected
+    assert all(stream_parse(text, size) == ("", expected[1]) for size in (1, 4, 9, len(text)))
 
 
 def test_parallel_false_keeps_the_first_call():
     text = RECORDED[1][0]
-    assert [c.name for c in parse_tool_calls(text, parallel=False)[1]] == ["a"]
-    assert [c["name"] for c in stream_parse(text, 7, parallel=False)[1]] == ["a"]
+    assert [name for name, _ in final_parse(text, parallel=False)[1]] == ["a"]
+    assert [name for name, _ in stream_parse(text, 7, parallel=False)[1]] == ["a"]
 
 
 # --- stop strings and detokenization -------------------------------------------------------------

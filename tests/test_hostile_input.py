@@ -297,18 +297,18 @@ def test_stop_hold_back_is_linear_in_the_output():
 def test_streamed_tool_call_parsing_is_linear_in_the_output():
     import time
 
-    from app.tools import StreamingToolParser, parse_tool_calls
+    from app.tools import ToolCallParser, parse_tool_calls
 
     args = json.dumps({"items": [{"k": i, "s": "x}" * 3} for i in range(1200)]})  # ~30 KB
     text = '<tool_call>\n{"name": "f", "arguments": ' + args + "}\n</tool_call>"
-    parser = StreamingToolParser()
-    streamed = ""
+    parser = ToolCallParser()
+    streamed = []
     t0 = time.process_time()
     for cut in range(3, len(text) + 3, 3):
-        _, deltas = parser.update(text[:cut], final=cut >= len(text))
-        streamed += "".join(d.function.arguments or "" for d in deltas)
+        _, calls = parser.update(text[:cut], final=cut >= len(text))
+        streamed += [c.arguments for c in calls]
     assert time.process_time() - t0 < 2.0  # was 11.6 s: every round re-scanned the whole call
-    assert streamed == args == parse_tool_calls(text)[1][0].arguments
+    assert streamed == [args] == [parse_tool_calls(text)[1][0].arguments]
 
 
 class CountingTokenizer:

@@ -10,7 +10,7 @@ import torch
 
 from tiny import tiny_target
 from whiflash_core.engine import METHODS, Engine, GenerationRequest, SpeculationConfig
-from whiflash_core.machine import PREFILL_ROWS, Formats, choose, measure
+from whiflash_core.machine import PREFILL_ROWS, Formats, choose, head_kinds, measure
 
 CANDIDATES = [("bfloat16", "int4"), ("bfloat16", "int8"), ("bfloat16", "dense"), ("float32", "dense")]
 
@@ -49,11 +49,25 @@ def test_choice_prefers_the_lighter_format_within_noise_and_dense_when_it_is_fas
     assert (f.weights, f.prefill_dtype, f.prefill_from_rows) == ("dense", "bfloat16", 10**9)
 
 
+def test_choice_takes_the_faster_lm_head_and_float32_activations_where_they_win():
+    t = table(bf16_ms_per_row=20, f32_ms_per_row=1)
+    heads = {"head:bfloat16/int8": {r: 3e-3 for r in (1, 4, 8)}, "head:bfloat16/dynint8": {r: 2e-3 for r in (1, 4, 8)}}
+    f = choose({**t, **heads}, CANDIDATES)
+    assert (f.weights, f.head) == ("int4", "dynint8")
+    heads["head:bfloat16/dynint8"] = {r: 4e-3 for r in (1, 4, 8)}
+    assert choose({**t, **heads}, CANDIDATES).head == "int8"
+    # bf16 element-wise work emulated: float32 activations around the same int4 kernel cost less
+    t["float32/int4"] = {r: v * 0.8 for r, v in t["bfloat16/int4"].items()}
+    f = choose(t, CANDIDATES + [("float32", "int4")])
+    assert (f.dtype, f.weights, f.prefill_dtype) == ("float32", "int4", "float32")
+
+
 def test_measure_times_the_candidates_and_caches_them(tmp_path, monkeypatch):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     cfg = dataclasses.replace(tiny_target(torch.float32).cfg, hidden_size=64, intermediate_size=128, head_dim=16)
     first = measure(cfg, ("int8",))
-    assert set(first["table"]) == {"bfloat16/int8", "bfloat16/dense", "float32/dense"}
+    heads = {f"head:{d}/{h}" for d in ("bfloat16", "float32") for h in head_kinds()}
+    assert set(first["table"]) == {"bfloat16/int8", "float32/int8", "bfloat16/dense", "float32/dense"} | heads
     assert all(t > 0 for row in first["table"].values() for t in row.values())
     assert Formats(**first["formats"]).weights in ("int8", "dense")
     assert first["machine"]["kernels"] and first["machine"]["torch"] == torch.__version__

@@ -9,7 +9,8 @@ import torch
 
 from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
 from whiflash_core.loading import from_hf, load_hf_model
-from whiflash_core.quant import Int4Linear, Int8Linear, decode_q4_1, quantize_target_int4
+from whiflash_core.quant import (DynInt8Linear, Int4Linear, Int8Linear, decode_q4_1, dynamic_int8_available,
+                                 quantize_head, quantize_target_int4)
 
 # agreement rates of int4/int8 kernels with the dense ones: rerun with the AVX2 kernels forced (.ci/run)
 pytestmark = pytest.mark.numerics
@@ -109,3 +110,23 @@ def test_int8_drafters_propose_what_the_dense_ones_do_on_a_real_context():
             agree += int((a == b).sum())
             total += a.numel()
         assert agree / total > 0.9, (name, agree, total)
+
+
+@pytest.mark.skipif(not dynamic_int8_available(), reason="this PyTorch build has no dynamic int8 GEMM")
+def test_dynamic_int8_head_gives_candidates_and_the_float32_refinement_the_values():
+    """The dynamic int8 LM head (activations quantized per call) only ranks candidates: the
+    target's top-8 logits are recomputed in float32 from the dense weights."""
+    from tiny import tiny_target
+
+    model = tiny_target(torch.bfloat16)
+    dense_head = model.lm_head.weight
+    quantize_head(model, "dynint8")
+    assert isinstance(model.lm_head, DynInt8Linear) and model.lm_head.weight is dense_head
+    h = torch.randn(6, model.cfg.hidden_size, dtype=torch.bfloat16)
+    exact = h.float() @ dense_head.float().T
+    got = model.logits(h)
+    top = got.topk(model.refine_top, dim=-1).indices
+    torch.testing.assert_close(got.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-5)
+    assert (got.argmax(-1) == exact.argmax(-1)).all()
+    approx = model.lm_head(h).float()
+    assert torch.nn.functional.cosine_similarity(approx, exact, dim=-1).min() > 0.99

@@ -11,11 +11,12 @@ import json
 
 import pytest
 
-from test_gateway import MODEL, TOOLS, WEATHER_Q, check_args
+from test_gateway import MODEL, TOOLS, WEATHER_Q, check_args, collect_stream
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
           "required": ["city", "sunny"], "additionalProperties": False}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ADD_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +56,30 @@ def test_lazy_grammar_leaves_text_free_and_constrains_a_call_once_opened(grammar
     for markup in ("<tool_response>\n{}", "<tool_response_json>", "done </tool_call>", "ok </tool_response>",
                    "<tools>"):  # echoed prompt markup
         assert not accepts(tok, lazy, markup), markup
-    # parallel false: one call ends the turn; parallel true: more may follow
+    # parallel false: one call ends the turn
     assert not accepts(tok, lazy, CALL + "\n<tool_call>")
-    assert accepts(tok, g.lazy_tool_calls(TOOLS, parallel=True), CALL + "\n" + CALL)
+
+
+@pytest.mark.parametrize("kind", ["lazy", "forced"])
+def test_parallel_calls_are_each_tool_at_most_once(grammars, kind):
+    """parallel_tool_calls (the default): further calls may follow, of other tools, in any order; so
+    a model cannot keep appending calls until max_tokens (issue 17, finding 5)."""
+    tok, g, eos = grammars
+    make = g.lazy_tool_calls if kind == "lazy" else g.tool_calls
+    assert may_end(tok, make(TOOLS, True), CALL, eos)
+    assert may_end(tok, make(TOOLS, True), CALL + "\n" + ADD_CALL, eos)
+    assert may_end(tok, make(TOOLS, True), ADD_CALL + "\n" + CALL, eos)
+    assert not accepts(tok, make(TOOLS, True), CALL + "\n" + CALL)                       # the same tool again
+    assert not accepts(tok, make(TOOLS, True), CALL + "\n" + ADD_CALL + "\n<tool_call>")  # a third call
+    assert not accepts(tok, make(TOOLS, True), CALL + "\nDone.")                         # the turn ends with its calls
+    assert not accepts(tok, make(TOOLS, False), CALL + "\n<tool_call>")
+
+
+def test_free_text_after_tool_results_does_not_write_tool_markup(grammars):
+    tok, g, eos = grammars
+    assert may_end(tok, g.free_text(), "It is sunny and 22 degrees in Paris.", eos)
+    for markup in ("<tool_response>\nSunny", "<tool_call>\n{", "Sunny.\n</tool_response>", "<tools>"):
+        assert not accepts(tok, g.free_text(), markup), markup
 
 
 def test_tools_or_structured_answer(grammars):
@@ -78,8 +100,8 @@ def client(live_server):
 
 
 def ask(client, messages, method="whiflash", stream=False, **kw):
-    kw = dict(model=MODEL, messages=messages, max_tokens=48, temperature=0, tools=TOOLS,
-              extra_body={"speculation": {"method": method}}, **kw)
+    kw = {"model": MODEL, "messages": messages, "max_tokens": 48, "temperature": 0, "tools": TOOLS,
+          "extra_body": {"speculation": {"method": method}}, **kw}
     if not stream:
         r = client.chat.completions.create(**kw)
         m = r.choices[0].message
@@ -127,3 +149,19 @@ def test_response_format_with_tools(client):
     # after the tool result, the structured answer (or another call) under auto
     content, calls, _ = ask(client, AFTER_RESULT, response_format=fmt)
     assert calls or set(json.loads(content)) == {"city", "sunny"}
+
+
+def test_stop_strings_leave_a_required_call_whole_and_a_cut_off_call_is_text(client):
+    """Issue 17, findings 3 and 4, with the model: `stop: ["\\n"]` does not cut into the call, and
+    a call cut off by max_tokens is the text with finish `length`, streamed or not (never a call
+    with `{}` arguments)."""
+    for stream in (False, True):
+        content, calls, reason = ask(client, WEATHER_Q, stream=stream, tool_choice="required", stop=["\n"])
+        assert reason == "tool_calls" and not content and [name for name, _ in calls] == ["get_weather"]
+        check_args(*calls[0])
+    kw = dict(model=MODEL, messages=WEATHER_Q, tools=TOOLS, tool_choice="required", max_tokens=14, temperature=0)
+    r = client.chat.completions.create(**kw)  # (the stream helper refuses finish `length`: a raw stream)
+    streamed = collect_stream(client.chat.completions.create(stream=True, **kw))
+    assert r.choices[0].finish_reason == streamed["finish_reason"] == "length"
+    assert r.choices[0].message.tool_calls is None and streamed["calls"] == []
+    assert r.choices[0].message.content == streamed["content"] and streamed["content"].startswith("<tool_call>")

@@ -39,12 +39,13 @@ def run(args: argparse.Namespace) -> int:
           + (f" (forced: {m['forced']})" if m["forced"] else ""))
     print(f"threads: {m['threads']}, torch {m['torch']}; measured in {result['seconds']} s (cached)")
     rows = sorted({int(r) for t in result["table"].values() for r in t})
-    print(f"{'format':<18}" + "".join(f"{f'T({r}) ms':>11}" for r in rows))
-    for name, t in result["table"].items():
-        print(f"{name:<18}" + "".join(f"{1e3 * t[str(r)]:>11.1f}" if str(r) in t else f"{'-':>11}" for r in rows))
+    print(f"{'format':<22}" + "".join(f"{f'T({r}) ms':>11}" for r in rows))
+    for name, t in result["table"].items():  # head:... rows: the model without layers, with that LM head
+        print(f"{name:<22}" + "".join(f"{1e3 * t[str(r)]:>11.1f}" if str(r) in t else f"{'-':>11}" for r in rows))
     f = result["formats"]
     prefill = ("the same weights" if f["prefill_from_rows"] >= 10**9
                else f"{f['prefill_dtype']} dense from {f['prefill_from_rows']} rows")
-    print(f"choice (--weights auto): decode/verify {f['dtype']} activations with {f['weights']} weights; "
+    head = f", LM head {f['head']}" if f["weights"] != "dense" else ""
+    print(f"choice (--weights auto): decode/verify {f['dtype']} activations with {f['weights']} weights{head}; "
           f"prefill {prefill}")
     return 0

@@ -178,7 +178,8 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
     # through this model's own dense weights from `prefill_from` rows on
     twin = from_hf(hf_model, prefill_dt) if prefill_dt != dt and prefill_from < 10**9 else None
     del hf_model
-    apply_weight_format(model, weights, gguf, dense_from_rows=10**9 if twin is not None else prefill_from)
+    apply_weight_format(model, weights, gguf, dense_from_rows=10**9 if twin is not None else prefill_from,
+                        head=formats.head if formats is not None else "int8")
     if twin is not None:
         model.set_prefill_twin(twin, prefill_from)
     model.formats = formats

@@ -8,7 +8,11 @@ with float32 ones (3-6x slower, same AVX2 machine). So the engine times the cand
 the shapes of the model it is about to load, and picks per phase:
 
 - decode / verify (1-8 rows): the (activation dtype, weight format) with the cheapest
-  T(1) + T(4), a plain step plus the 4-row verify of a k=3 EAGLE-3 round;
+  T(1) + T(4), a plain step plus the 4-row verify of a k=3 EAGLE-3 round. The activation dtype
+  matters even where the weight kernels run in bf16 (quant.KERNEL_DTYPE): float32 activations
+  keep the norms, rotary, attention and residual adds native where bf16 is emulated;
+- the LM head of a light format: weight-only int8 or the dynamic int8 GEMM (quant.HEAD_KINDS),
+  timed on its own;
 - prefill (many rows): bf16 or float32 dense, whichever runs a 128-row chunk faster; where that is
   another dtype than decode's, the target gets a float32 twin for long inputs
   (`TargetModel.set_prefill_twin`), from the smallest measured row count where the twin wins.
@@ -40,7 +44,7 @@ LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well 
 CONTEXT = 256  # cached positions the timed forwards attend to
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 4
+CACHE_VERSION = 5
 VERIFY_CACHE_VERSION = 1
 
 
@@ -52,6 +56,7 @@ class Formats:
     weights: str = "dense"
     prefill_dtype: str = "bfloat16"
     prefill_from_rows: int = 24
+    head: str = "int8"  # the LM head's kind with light weights (quant.HEAD_KINDS)
 
 
 # --------------------------------------------------------------------------- the machine
@@ -92,8 +97,8 @@ def _write_json(path: str, result: dict) -> None:
 
 # --------------------------------------------------------------------------- timing
 
-def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str):
-    from .quant import Int4Linear, quantize_int8
+def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str = "int8"):
+    from .quant import Int4Linear, quantize_head, quantize_int8
     from .target import TargetModel
 
     small = dataclasses.replace(cfg, num_layers=layers)
@@ -111,10 +116,19 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str):
                 d = np.full((n, k // 32), 0.01, np.float32)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, Int4Linear(q, d, -8 * d, dtype=dtype))
-        quantize_int8(model, names=["lm_head"])
     elif weights == "int8":
-        quantize_int8(model)
+        quantize_int8(model, names=[n for n, m in model.named_modules()
+                                    if isinstance(m, torch.nn.Linear) and n != "lm_head"])
+    if weights != "dense":
+        quantize_head(model, head)
     return model
+
+
+def head_kinds() -> tuple[str, ...]:
+    """The LM-head kinds this PyTorch build can run (quant.HEAD_KINDS)."""
+    from .quant import dynamic_int8_available
+
+    return ("int8", "dynint8") if dynamic_int8_available() else ("int8",)
 
 
 class _Timer:
@@ -135,8 +149,11 @@ class _Timer:
         return elapsed
 
 
-def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5) -> dict[str, dict[int, float]]:
-    """{"dtype/weights": {rows: estimated seconds of a whole-model forward}} = T0 + (L / n) (Tn - T0).
+def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5,
+                 heads: tuple[str, ...] = ()) -> dict[str, dict[int, float]]:
+    """{"dtype/weights": {rows: estimated seconds of a whole-model forward}} = T0 + (L / n) (Tn - T0),
+    plus, for each light candidate's dtype and each LM-head kind in `heads`, "head:dtype/kind":
+    {rows: T0 with that head} (the model without layers: embedding, norm, head).
 
     Every figure is the best of `reps` runs (interference only adds time), and the runs go round
     robin over all candidates and row counts, so a burst of other work on the machine slows one
@@ -146,6 +163,11 @@ def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5) -> dict[
     rows_of = {c: DECODE_ROWS + (PREFILL_ROWS if c[1] == "dense" else LIGHT_PREFILL_ROWS) for c in candidates}
     timers = {(c, layers): _Timer(_random_model(cfg, layers, getattr(torch, c[0]), c[1]))
               for c in candidates for layers in (0, n)}
+    for dtype in sorted({c[0] for c in candidates if c[1] != "dense"}):
+        for head in heads:
+            c = (dtype, f"head-{head}")
+            rows_of[c] = DECODE_ROWS
+            timers[(c, 0)] = _Timer(_random_model(cfg, 0, getattr(torch, dtype), "int8", head))
     best: dict[tuple, float] = {}
     for rep in range(reps):
         for (c, layers), timer in timers.items():
@@ -154,8 +176,12 @@ def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5) -> dict[
                     continue
                 key = (c, layers, r)
                 best[key] = min(best.get(key, float("inf")), timer.once(r))
-    return {f"{c[0]}/{c[1]}": {r: best[(c, 0, r)] + cfg.num_layers / n * max(best[(c, n, r)] - best[(c, 0, r)], 0.0)
-                               for r in sorted(set(rows_of[c]))} for c in candidates}
+    table = {f"{c[0]}/{c[1]}": {r: best[(c, 0, r)] + cfg.num_layers / n * max(best[(c, n, r)] - best[(c, 0, r)], 0.0)
+                                for r in sorted(set(rows_of[c]))} for c in candidates}
+    for (c, layers) in timers:
+        if c[1].startswith("head-"):
+            table[f"head:{c[0]}/{c[1][5:]}"] = {r: best[(c, 0, r)] for r in rows_of[c]}
+    return table
 
 
 # --------------------------------------------------------------------------- the choice
@@ -163,9 +189,23 @@ def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5) -> dict[
 def choose(table: dict[str, dict[int, float]], candidates: list[tuple[str, str]]) -> Formats:
     """Pick formats from a timing table {"dtype/weights": {rows: seconds}} (see module doc);
     `candidates` (dtype, weights) in order of preference."""
+    def heads(dtype: str) -> dict[str, dict[int, float]]:
+        return {k.split("/", 1)[1]: t for k, t in table.items() if k.startswith(f"head:{dtype}/")}
+
+    def best_head(dtype: str) -> str:
+        h = heads(dtype)
+        return min(h, key=lambda kind: h[kind][1] + h[kind][4]) if h else "int8"
+
+    def decode_time(c: tuple[str, str], r: int) -> float:
+        """T(r) of candidate c with its best LM head (the table's light rows ran the int8 head)."""
+        t = table[f"{c[0]}/{c[1]}"][r]
+        h = heads(c[0])
+        if c[1] != "dense" and h:
+            t += h[best_head(c[0])][r] - h["int8"][r]
+        return t
+
     def round_cost(c: tuple[str, str]) -> float:
-        t = table[f"{c[0]}/{c[1]}"]
-        return t[1] + t[4]
+        return decode_time(c, 1) + decode_time(c, 4)
 
     # the first candidate within 5 % of the fastest: candidates come lightest first, and a lighter
     # format also leaves memory bandwidth to the drafters
@@ -182,7 +222,7 @@ def choose(table: dict[str, dict[int, float]], candidates: list[tuple[str, str]]
     from_rows = min(wins) if wins else min(beyond, default=max(PREFILL_ROWS))
     if prefill_dtype == dtype and weights == "dense":
         from_rows = 10**9  # one path for every row count
-    return Formats(dtype, weights, prefill_dtype, from_rows)
+    return Formats(dtype, weights, prefill_dtype, from_rows, best_head(dtype) if weights != "dense" else "int8")
 
 
 def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = True, verbose: bool = False) -> dict:
@@ -200,8 +240,9 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
         with open(path) as f:
             return json.load(f)
     started = time.perf_counter()
-    candidates = [("bfloat16", w) for w in light_formats] + [("bfloat16", "dense"), ("float32", "dense")]
-    table = time_formats(cfg, candidates)
+    candidates = ([(d, w) for d in ("bfloat16", "float32") for w in light_formats]
+                  + [("bfloat16", "dense"), ("float32", "dense")])
+    table = time_formats(cfg, candidates, heads=head_kinds())
     if verbose:
         for name, t in table.items():
             print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), flush=True)

@@ -15,7 +15,9 @@ The tied 49k-row LM head is not Q4_1 in the GGUF; in bf16 it alone costs ~2 ms o
 decode step. `Int8Linear` (one symmetric scale per output row, `_weight_int8pack_mm`) reads half
 the bytes. Its logits are coarser, but the target recomputes its top-8 logits in float32 from the
 dense weights (`TargetModel.logits`), so a greedy choice only changes if the true argmax falls out
-of the int8 top 8. `--weights int8` applies it to every linear of any Llama/Qwen3 target.
+of the int8 top 8. `--weights int8` applies it to every linear of any Llama/Qwen3 target. Since the
+head only ranks candidates, it may also run PyTorch's dynamic int8 GEMM (`DynInt8Linear`:
+activations quantized too, integer dot products) where `machine` measures that faster.
 """
 from __future__ import annotations
 
@@ -78,12 +80,19 @@ def read_q4_1_linears(gguf_path: str, num_heads: int, num_kv_heads: int) -> dict
     return out
 
 
+# PyTorch's CPU weight-only kernels (int4 and int8 below) are fast with bf16 activations and 3-6x
+# slower with float32 ones (measured on AVX2 and AVX-512 machines alike), so they always run in bf16;
+# a float32 model casts its activations around them (what an AVX2 CPU, which emulates bf16
+# element-wise work, may prefer for everything else: `machine` times both).
+KERNEL_DTYPE = torch.bfloat16
+
+
 class Int4Linear(nn.Module):
     """y = x @ W.T with W held as packed int4 + per-group (scale, zero); bias-free.
 
-    Activations (and scales) are in `dtype`: bf16 where the CPU has native bf16, float32 where bf16
-    is emulated (the kernel takes either). `weight` is the optional dense copy (in `dtype`) used
-    from `dense_from_rows` rows on (None if not kept).
+    The kernel runs in bf16 (KERNEL_DTYPE); x and y are in `dtype`, the model's activation dtype.
+    `weight` is the optional dense copy (in `dtype`) used from `dense_from_rows` rows on (None if
+    not kept).
     """
 
     def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray, dense: torch.Tensor | None = None,
@@ -94,7 +103,7 @@ class Int4Linear(nn.Module):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(q.astype(np.int32)), 1)
         scale = torch.from_numpy(d)
         zero = torch.from_numpy(m) + 8 * scale
-        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        self.scales_and_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(KERNEL_DTYPE)
         self.weight = dense
         self.dense_from_rows = dense_from_rows
 
@@ -104,14 +113,14 @@ class Int4Linear(nn.Module):
         if self.weight is not None and x2.shape[0] >= self.dense_from_rows:
             y = nn.functional.linear(x2, self.weight)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(self.scales_and_zeros.dtype).contiguous(), self.packed,
-                                                          GROUP, self.scales_and_zeros)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), self.packed,
+                                                          GROUP, self.scales_and_zeros).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
 
 
 class Int8Linear(nn.Module):
-    """y = x @ W.T with W as int8 and one scale per output row (in the dense weight's dtype, which is
-    also the activation dtype); bias-free.
+    """y = x @ W.T with W as int8 and one scale per output row; bias-free. The kernel runs in bf16
+    (KERNEL_DTYPE); x and y are in the dense weight's dtype.
 
     `weight` stays the dense tensor (shared, e.g. the tied embedding: no copy), for long inputs and
     for readers of `.weight` such as the float32 top-k refinement.
@@ -123,7 +132,7 @@ class Int8Linear(nn.Module):
         w = weight.detach().float()
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
         self.q = (w / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scale.to(weight.dtype)
+        self.scales = scale.to(KERNEL_DTYPE)
         self.weight = weight
         self.dense_from_rows = dense_from_rows
 
@@ -133,8 +142,56 @@ class Int8Linear(nn.Module):
         if x2.shape[0] >= self.dense_from_rows:
             y = nn.functional.linear(x2, self.weight)
         else:
-            y = torch._weight_int8pack_mm(x2.to(self.scales.dtype).contiguous(), self.q, self.scales)
+            y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.q, self.scales).to(x.dtype)
         return y.reshape(*shape[:-1], self.out_features)
+
+
+def dynamic_int8_available() -> bool:
+    """Whether this PyTorch build has a dynamic int8 GEMM for the CPU (fbgemm / x86 / qnnpack)."""
+    return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "qnnpack"))
+
+
+class DynInt8Linear(nn.Module):
+    """y = x @ W.T through PyTorch's dynamic int8 GEMM (fbgemm on x86: VNNI/AVX2 integer dot
+    products): W int8 per output row, x quantized to uint8 per call (one scale per tensor).
+
+    For the LM head only. Quantizing the activations makes its logits coarser than weight-only
+    int8, which is harmless there: the target recomputes its top-8 logits in float32 from the dense
+    `weight` (TargetModel.logits), so only the candidates come from this kernel. (Used for the
+    decoder layers, per-tensor activation scales cost too much: teacher-forced greedy agreement with
+    the float32 model fell from 99.1 % (int4 layers) to 88 % on distilled answers.) bias-free.
+    """
+
+    def __init__(self, weight: torch.Tensor, dense_from_rows: int = 10**9):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).double()
+        engine = next(e for e in ("x86", "fbgemm", "qnnpack") if e in torch.backends.quantized.supported_engines)
+        torch.backends.quantized.engine = engine  # prepacking picks the kernel family
+        qw = torch.quantize_per_channel(w, scale, torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+        self.packed = torch.ops.quantized.linear_prepack(qw, None)
+        self.weight = weight
+        self.dense_from_rows = dense_from_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.shape[0] >= self.dense_from_rows:
+            y = nn.functional.linear(x2, self.weight)
+        else:
+            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, False).to(x.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+HEAD_KINDS = {"int8": Int8Linear, "dynint8": DynInt8Linear}
+
+
+def quantize_head(model: nn.Module, kind: str, dense_from_rows: int = 10**9) -> None:
+    """The target's LM head in a light kind (HEAD_KINDS), its dense weight kept for the refinement."""
+    if kind not in HEAD_KINDS:
+        raise ValueError(f"unknown head kind {kind!r} (one of {', '.join(HEAD_KINDS)})")
+    model.lm_head = HEAD_KINDS[kind](model.lm_head.weight, dense_from_rows)
 
 
 def quantize_int8(module: nn.Module, dense_from_rows: int = 10**9, names: list[str] | None = None) -> int:
@@ -189,12 +246,13 @@ def quantize_target_int4(model: TargetModel, gguf_path: str, dense_from_rows: in
 
 
 def apply_weight_format(model: TargetModel, weights: str, gguf_path: str | None = None,
-                        dense_from_rows: int = DENSE_FROM_ROWS) -> None:
+                        dense_from_rows: int = DENSE_FROM_ROWS, head: str = "int8") -> None:
     """Put a loaded bf16 (or float32) target into weight format `weights` in place; from
     `dense_from_rows` rows on its linears use the dense weights.
 
-    int4 runs the GGUF's own Q4_1 blocks (`gguf_path`) through the CPU int4 matmul, with an int8 LM
-    head (the head is not Q4_1); int8 quantises every linear per output row (any target).
+    int4 runs the GGUF's own Q4_1 blocks (`gguf_path`) through the CPU int4 matmul; int8 quantises
+    every linear per output row (any target). Either way the LM head (not Q4_1 in the GGUF) is
+    `head` (HEAD_KINDS), whichever `machine` measured faster.
     """
     if weights not in WEIGHT_FORMATS or weights == "auto":
         raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
@@ -204,6 +262,8 @@ def apply_weight_format(model: TargetModel, weights: str, gguf_path: str | None 
         if gguf_path is None:
             raise ValueError("int4 weights need a GGUF with Q4_1 blocks (the embedded default or a .gguf path)")
         quantize_target_int4(model, gguf_path, dense_from_rows=dense_from_rows)
-        quantize_int8(model, dense_from_rows, names=["lm_head"])
     elif weights == "int8":
-        quantize_int8(model, dense_from_rows)
+        quantize_int8(model, dense_from_rows, names=[n for n, m in model.named_modules()
+                                                      if isinstance(m, nn.Linear) and m.bias is None and n != "lm_head"])
+    if weights != "dense":
+        quantize_head(model, head, dense_from_rows)
