@@ -16,7 +16,7 @@ MAX_FUZZ_TOKENS = 16
 @schemathesis.hook
 def map_body(context, body):
     if isinstance(body, dict):
-        for field in ("max_tokens", "max_completion_tokens"):
+        for field in ("max_tokens", "max_completion_tokens", "max_output_tokens"):  # chat, completions; responses
             value = body.get(field)
             if isinstance(value, int) and not isinstance(value, bool) and value > MAX_FUZZ_TOKENS:
                 body[field] = MAX_FUZZ_TOKENS

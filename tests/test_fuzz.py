@@ -7,7 +7,7 @@ to tests/artifacts/schemathesis.json, and when it passes with WHIFLASH_UPDATE_FU
 bench/results/schemathesis.json.
 
 The server generates at most 16 tokens per answer (`--default-max-tokens 16`, and
-tests/fuzz_hooks.py caps larger fuzzed max_tokens), so that a valid request takes seconds: what is
+tests/fuzz_hooks.py caps larger fuzzed max_tokens and max_output_tokens), so that a valid request takes seconds: what is
 looked for is errors and hangs, not long answers. A hang is a request without an answer within
 REQUEST_TIMEOUT_S (schemathesis records it as a failed request).
 """
@@ -80,7 +80,7 @@ def test_schemathesis_finds_no_server_error_and_no_hang(tmp_path):
                        f'{(e.get("response") or {}).get("status", 0)}' for e in entries)
     report = {
         "command": "st " + " ".join(st_run_args("http://127.0.0.1:PORT", "schemathesis.har")),
-        "hooks": "SCHEMATHESIS_HOOKS=tests/fuzz_hooks.py (fuzzed max_tokens above 16 become 16)",
+        "hooks": "SCHEMATHESIS_HOOKS=tests/fuzz_hooks.py (fuzzed max_tokens, max_completion_tokens, max_output_tokens above 16 become 16)",
         "server": "whiflash serve --dtype float32 --default-max-tokens 16 --threads 1",
         "schemathesis": schemathesis.__version__,
         "cases": len(entries),
