@@ -20,12 +20,14 @@ from .schemas import CompletionTokensDetails, PromptTokensDetails, Usage
 
 
 def submit_all(scheduler: Scheduler, generations: list[GenerationRequest], request_id: str,
-               info: dict) -> list[RequestHandle]:
-    """Submit every choice, or none: when the queue fills part way (429), the submitted ones are cancelled."""
+               info: dict, owner: str | None = None) -> list[RequestHandle]:
+    """Submit every choice, or none: when the queue fills part way (429), the submitted ones are cancelled.
+    `owner`: who made the request (app/viewers.py), for the stats feed."""
     handles: list[RequestHandle] = []
     try:
         for i, gen in enumerate(generations):
-            handles.append(scheduler.submit(gen, request_id if len(generations) == 1 else f"{request_id}-{i}", info))
+            rid = request_id if len(generations) == 1 else f"{request_id}-{i}"
+            handles.append(scheduler.submit(gen, rid, info, owner))
     except APIError:
         cancel_all(handles)
         raise

@@ -32,6 +32,7 @@ from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, TokenBatch
 from .schemas import SamplingRequest, Usage, _OmitNone, _created
 from .serving import SSE_PING_SECONDS, ChatServing
+from .viewers import request_owner
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,7 @@ class CompletionServing:
         namespace = self.chat.tenant(http)
         for gen in p.generations:
             gen.cache_namespace = namespace
-        handles = submit_all(self.scheduler, p.generations, p.id, info)
+        handles = submit_all(self.scheduler, p.generations, p.id, info, request_owner(http, self.settings))
         if p.stream:
             return EventSourceResponse(self._stream(p, handles), sep="\n", ping=SSE_PING_SECONDS)
         try:

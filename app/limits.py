@@ -25,6 +25,12 @@ MAX_TOOLS = 128
 MAX_STOPS = 16
 MAX_STOP_CHARS = 1000
 
+# The smallest top_p passed to the engine. Every top_p at or below the most likely token's
+# probability keeps that token alone, and that probability is at least 1/vocabulary (> 1e-6 for any
+# vocabulary under a million tokens), so raising a smaller top_p to this changes no distribution; a
+# top_p as small as 5e-324 is 0 once cast to float32, which dropped every token (NaN -> 500).
+MIN_TOP_P = 1e-6
+
 _JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
 _BRACKET = re.compile(r"[\[\]{}]")
 
@@ -135,7 +141,7 @@ def certainly_too_long(chars: int, max_context: int, token_chars: int | None) ->
 # --- the body of a POST to the API ----------------------------------------------------------------
 
 
-def _is_api_post(scope) -> bool:
+def is_api_post(scope) -> bool:
     path = scope["path"]
     return scope["method"] == "POST" and (path.startswith("/v1/") or path == "/chat/completions")
 
@@ -150,7 +156,7 @@ class RequestBodyLimits:
         self.app, self.max_bytes = app, max_bytes
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not _is_api_post(scope):
+        if scope["type"] != "http" or not is_api_post(scope):
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
         # OpenAI's clients always send application/json (a charset parameter is fine); a body with no

@@ -13,10 +13,9 @@ event bus), so tests can run several apps in one process.
 """
 from __future__ import annotations
 
-import secrets
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Header, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
@@ -28,6 +27,7 @@ from whiflash_core.prefix_cache import PrefixCache
 from .errors import APIError, install_error_handlers, model_not_found, validation_error
 from .events import EventBus
 from .limits import RequestBodyLimits, is_too_deep, nesting_too_deep
+from .memory import ReleaseMemoryAfterRefusals
 from .metrics import Metrics
 from .scheduler import Scheduler
 from .completions import CompletionRequest, CompletionServing
@@ -37,14 +37,16 @@ from .schemas import ChatCompletionRequest, ModelCard, ModelList
 from .serving import ChatServing
 from .settings import Settings
 from .stats import StatsHub, install as install_stats
+from .viewers import bearer_token, key_matches
 
 
-def _auth_dependency(api_key: str | None):
-    async def check(authorization: str | None = Header(None)) -> None:
-        if api_key is None:
-            return
-        scheme, _, token = (authorization or "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), api_key.encode()):
+def _auth_dependency(settings: Settings):
+    """The API's key check: with keys configured, `Authorization: Bearer` must name one of them (the
+    admin key counts as one)."""
+    keys = settings.api_keys + ([settings.admin_key] if settings.admin_key else [])
+
+    async def check(request: Request) -> None:
+        if settings.api_keys and not key_matches(bearer_token(request), keys):
             raise APIError("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
     return check
 
@@ -84,11 +86,12 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     # added before CORS, so CORS wraps it and browsers can read its 413/415 answers
     app.add_middleware(RequestBodyLimits, max_bytes=settings.max_request_bytes)
+    app.add_middleware(ReleaseMemoryAfterRefusals)  # around the limits' refusals too
     if settings.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=settings.cors_origins, allow_methods=["*"],
                            allow_headers=["*"], allow_credentials="*" not in settings.cors_origins)
 
-    api = APIRouter(dependencies=[Depends(_auth_dependency(settings.api_key))])
+    api = APIRouter(dependencies=[Depends(_auth_dependency(settings))])
 
     # bodies are parsed by hand (below), so FastAPI does not know their schemas: declared here, with
     # their $defs moved into the document's components, so the OpenAPI document (and schemathesis) has them
@@ -161,5 +164,5 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi
-    install_stats(app, stats, settings, _auth_dependency(settings.api_key), engine.methods, serving.default_method)
+    install_stats(app, stats, settings, _auth_dependency(settings), engine.methods, serving.default_method)
     return app

@@ -120,9 +120,12 @@ def merge_snapshots(snapshots: dict[str, dict]) -> dict:
     sample_lists = [list(reversed(s.get("samples") or [])) for s in snapshots.values()]
     depth = max((len(s) for s in sample_lists), default=0)
     samples = [merge_samples([s[i] if i < len(s) else None for s in sample_lists]) for i in range(depth)]
+    # every replica saw the same request headers, so each names the same viewer (app/viewers.py)
+    viewer = next((s["viewer"] for s in snapshots.values() if "viewer" in s), None)
     return {"type": "snapshot", "time": max((s.get("time", 0) for s in snapshots.values()), default=0),
             "events": events, "aggregate": merge_aggregates({n: s.get("aggregate") or {} for n, s in snapshots.items()}),
-            "samples": [s for s in reversed(samples) if s is not None]}
+            "samples": [s for s in reversed(samples) if s is not None],
+            **({"viewer": viewer} if viewer is not None else {})}
 
 
 class SSEParser:

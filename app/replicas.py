@@ -128,10 +128,12 @@ class Replica:
         from whiflash_core.loading import load_engine
 
         from .main import create_app
+        from .memory import limit_malloc_arenas
 
         context = serve.get_replica_context()
         self.name, self.rank = context.replica_id.unique_id, context.rank.rank
         self.settings = s = Settings(**settings)
+        limit_malloc_arenas(s.malloc_arena_max)  # as `whiflash serve` does, in this replica's own process
         if s.threads:
             torch.set_num_threads(s.threads)
         engine = await asyncio.to_thread(load_engine, s.model, s.drafters, s.dtype, threads=s.threads,

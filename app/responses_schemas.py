@@ -85,7 +85,8 @@ INPUT_ITEM_TYPES = {"message": "Message", "function_call": "FunctionCall",
 
 def _item_tag(item: Any) -> str | None:
     kind = item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
-    return INPUT_ITEM_TYPES.get(kind)
+    # a `type` that is not a string (an object, a list: unhashable) is just another unsupported item
+    return INPUT_ITEM_TYPES.get(kind) if isinstance(kind, str) else None
 
 
 # tags are capitalised so that error params read `input[2].call_id` (errors._loc_to_param skips them)

@@ -16,9 +16,6 @@ code fails every open request with a 503 and marks the server unhealthy (`_run`)
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import functools
 import logging
 import threading
 import time
@@ -30,6 +27,7 @@ from whiflash_core.logits import TokenLogprob
 
 from .errors import APIError, bad_request, engine_unavailable, internal_error, overloaded
 from .events import EventBus
+from .memory import release_free_memory
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -71,8 +69,9 @@ class RequestHandle:
     """The async side of one request. Iterate it for TokenBatch items, then one Finished or Failed."""
 
     def __init__(self, scheduler: Scheduler, request_id: str, request: GenerationRequest,
-                 loop: asyncio.AbstractEventLoop, deadline: float, info: dict):
+                 loop: asyncio.AbstractEventLoop, deadline: float, info: dict, owner: str | None = None):
         self.id, self.request, self.info = request_id, request, info
+        self.owner = owner  # who made the request (app/viewers.py): the stats feed shows its text to them only
         self._scheduler, self._loop = scheduler, loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self.arrival = time.perf_counter()
@@ -106,24 +105,6 @@ class RequestHandle:
         if isinstance(item, (Finished, Failed)):
             self.done = True
         return item
-
-
-def release_free_memory() -> None:
-    """Return freed heap memory to the OS (glibc's malloc_trim). A finished request's KV cache, and
-    the float32 scratch copies of long prefills, are freed into the allocator's arenas, which glibc
-    keeps: without a trim the server's RSS stays at its busiest level after a burst. A no-op where
-    the C library has no malloc_trim (musl, macOS)."""
-    trim = getattr(_libc(), "malloc_trim", None)
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _libc():
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
 
 
 @dataclass
@@ -183,10 +164,12 @@ class Scheduler:
 
     # -- the async side -----------------------------------------------------------------------------
 
-    def submit(self, request: GenerationRequest, request_id: str, info: dict | None = None) -> RequestHandle:
-        """Queue a generation; raises a 429 APIError when the server is full. Call from the event loop."""
+    def submit(self, request: GenerationRequest, request_id: str, info: dict | None = None,
+               owner: str | None = None) -> RequestHandle:
+        """Queue a generation; raises a 429 APIError when the server is full. Call from the event loop.
+        `info` goes into the request_started event; `owner` (app/viewers.py) into every event of it."""
         handle = RequestHandle(self, request_id, request, asyncio.get_running_loop(),
-                               time.perf_counter() + self.request_timeout, info or {})
+                               time.perf_counter() + self.request_timeout, info or {}, owner)
         with self._cv:
             if self.crashed is not None or (self._thread is not None and not self._thread.is_alive()):
                 raise engine_unavailable()
@@ -217,7 +200,7 @@ class Scheduler:
         """A request cancelled before it started: finished with no tokens."""
         handle._push(Finished("cancelled", {}, {}, len(handle.request.prompt_ids), 0))
         self._record_finish(handle, handle.cancel_reason or "abort", time.perf_counter() - handle.arrival)
-        self.events.publish("request_finished", id=handle.id, finish_reason=handle.cancel_reason or "abort")
+        self._publish("request_finished", handle, finish_reason=handle.cancel_reason or "abort")
 
     # -- the worker ---------------------------------------------------------------------------------
 
@@ -273,9 +256,9 @@ class Scheduler:
             return
         try:
             gen = self.engine.start(handle.request)
-            self.events.publish("request_started", id=handle.id, prompt_tokens=len(handle.request.prompt_ids),
-                                max_tokens=handle.request.max_new_tokens, method=gen.spec.method,
-                                alpha=gen.spec.alpha, policy=gen.spec.policy, **handle.info)
+            self._publish("request_started", handle, prompt_tokens=len(handle.request.prompt_ids),
+                          max_tokens=handle.request.max_new_tokens, method=gen.spec.method,
+                          alpha=gen.spec.alpha, policy=gen.spec.policy, **handle.info)
             if self.metrics:
                 self.metrics.started(len(handle.request.prompt_ids), now - handle.arrival)
             gen.prefill()
@@ -334,7 +317,7 @@ class Scheduler:
         if r is not None:
             if self.metrics:
                 self.metrics.round(gen.spec.method, r)
-            self.events.publish("round", id=handle.id, **r.event())
+            self._publish("round", handle, **r.event())
         self._deliver(slot)
 
     def _deliver(self, slot: _Slot) -> None:
@@ -353,7 +336,7 @@ class Scheduler:
                 self.metrics.tokens(len(new))
             if self.events.active:
                 tok = self.engine.tokenizer
-                self.events.publish("tokens", id=handle.id, round=gen.rounds, tokens=[
+                self._publish("tokens", handle, round=gen.rounds, tokens=[
                     {"id": t, "text": tok.decode([t]) if tok is not None else "", "source": s}
                     for t, s in zip(new, sources)])
         if gen.finished:
@@ -369,14 +352,19 @@ class Scheduler:
         reason = handle.cancel_reason if gen.finish_reason == "cancelled" and handle.cancel_reason else \
             gen.finish_reason or "stop"
         self._record_finish(handle, reason, time.perf_counter() - handle.arrival)
-        self.events.publish("request_finished", id=handle.id, finish_reason=reason, stats=stats, timing=timing)
+        self._publish("request_finished", handle, finish_reason=reason, stats=stats, timing=timing)
 
     def _fail(self, handle: RequestHandle, error: APIError, reason: str) -> None:
         handle._push(Failed(error))
         self._release()
         if self.metrics:
             self.metrics.failed(reason)
-        self.events.publish("request_finished", id=handle.id, finish_reason=reason, error=error.message)
+        self._publish("request_finished", handle, finish_reason=reason, error=error.message)
+
+    def _publish(self, type: str, handle: RequestHandle, **data) -> None:
+        """One event of a request. Its owner goes with it so that the stats feed can give the text to
+        that viewer only (the feed removes it: app/stats.py)."""
+        self.events.publish(type, id=handle.id, owner=handle.owner, **data)
 
     def _record_finish(self, handle: RequestHandle, reason: str, seconds: float) -> None:
         self._release()

@@ -27,7 +27,11 @@ def add_parser(sub) -> None:
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--model-alias", dest="model_aliases", nargs="*", action="extend", default=None,
                    help="further model ids accepted in requests (repeatable); any other id is a 404")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1 routes; several keys, comma-separated, are "
+                        "separate tenants (the stats page shows each only its own requests' text)")
+    p.add_argument("--admin-key", default=None,
+                   help="a stats-page viewer presenting this key sees every request's text (also an API key)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="where the target and drafters run (default: cuda when available, else cpu)")
@@ -38,6 +42,8 @@ def add_parser(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds per request (default 600)")
     p.add_argument("--max-request-bytes", type=int, default=None,
                    help="largest request body accepted, larger ones get 413 before parsing (default 2 MiB)")
+    p.add_argument("--malloc-arena-max", type=int, default=None,
+                   help="glibc malloc arenas, as MALLOC_ARENA_MAX (default 2; 0: glibc's default of 8 per core)")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="prefix cache memory in MiB, 0 = off (default 512): later turns of a conversation "
                         "reuse the K/V of the earlier ones")
@@ -94,8 +100,10 @@ def run(args: argparse.Namespace) -> int:
     from whiflash_core.loading import load_engine
 
     from .main import create_app
+    from .memory import limit_malloc_arenas
 
     settings = settings_from_args(args)
+    limit_malloc_arenas(settings.malloc_arena_max)  # before the engine and server start their threads
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     replicas = replica_settings_from_args(args)
     if replicas is not None:

@@ -36,7 +36,7 @@ from .errors import APIError, bad_request, context_length_exceeded, internal_err
 from .choices import ChoiceState, cancel_all, collect, merged, submit_all
 from .choices import stats as choice_stats, usage as choice_usage
 from .grammar_jobs import GrammarJobs
-from .limits import certainly_too_long, check_nesting, check_tools, longest_token_chars, text_chars
+from .limits import MIN_TOP_P, certainly_too_long, check_nesting, check_tools, longest_token_chars, text_chars
 from .logprobs import LogprobFormatter
 from .output import TextAccumulator
 from .scheduler import Failed, Finished, RequestHandle, Scheduler, TokenBatch
@@ -45,6 +45,7 @@ from .schemas import (ChatCompletionChunk, ChatCompletionRequest, ChatCompletion
                       ResponseFunction, ResponseMessage, ResponseToolCall, SamplingRequest, Tool, Usage)
 from .settings import Settings
 from .tools import ParsedToolCall, ToolCallParser, ends_inside_tool_call, parse_tool_calls
+from .viewers import request_owner
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +231,7 @@ class ChatServing:
 
     def sampling(self, req: SamplingRequest, choice: int = 0) -> SamplingParams:
         temperature = req.temperature if req.temperature is not None else self.settings.default_temperature
-        top_p = req.top_p if req.top_p is not None else self.settings.default_top_p
+        top_p = max(req.top_p if req.top_p is not None else self.settings.default_top_p, MIN_TOP_P)
         seed = None if req.seed is None else (req.seed + choice) % 2**63
         return SamplingParams(temperature=temperature, top_p=top_p, top_k=req.top_k or 0, seed=seed)
 
@@ -353,7 +354,8 @@ class ChatServing:
             if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
                 job = prepared.grammar
                 gen.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
-        return prepared, submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info)
+        return prepared, submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info,
+                                    request_owner(http, self.settings))
 
     def tenant(self, http: Request) -> str:
         """The prefix-cache namespace of a request: its API key (hashed), when keys are required, so

@@ -28,7 +28,12 @@ class Settings(BaseSettings):
     served_model_name: str | None = None
     model_aliases: Annotated[list[str], NoDecode] = Field(
         default_factory=list, description="further names accepted as `model` (others: 404 model_not_found)")
-    api_key: str | None = None
+    api_key: str | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on the API; several keys, comma-separated, are "
+                          "separate tenants (each sees only its own requests' text on the stats feed)")
+    admin_key: str | None = Field(
+        None, description="a stats-feed viewer presenting this key sees every request's text (it is also "
+                          "accepted as an API key); never in a URL")
     cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     log_level: str = "info"
 
@@ -43,6 +48,9 @@ class Settings(BaseSettings):
                                "that start the same way (agent loops); 0 turns the prefix cache off")
     max_request_bytes: int = Field(2 * 1024 * 1024, ge=1,
                                    description="largest request body accepted (larger: 413, before parsing)")
+    malloc_arena_max: int = Field(
+        2, ge=0, description="glibc malloc arenas (as MALLOC_ARENA_MAX; 0: glibc's default, 8 per core): few "
+                             "arenas let RSS return to its level after large requests (app/memory.py)")
 
     # grammars (tool_choice required / named, response_format): compiled in their own pool
     grammar_timeout: float = Field(10.0, gt=0, description="seconds a request waits for its grammar (then a 400)")
@@ -74,6 +82,11 @@ class Settings(BaseSettings):
         """The server's default speculation settings for `method`."""
         return SpeculationConfig(method=method, alpha=self.speculation_alpha, num_draft_tokens=self.num_draft_tokens,
                                  block_size=self.block_size, prompt_lookup=self.prompt_lookup)
+
+    @property
+    def api_keys(self) -> list[str]:
+        """The API keys (`--api-key k1,k2`, as llama.cpp's); empty when the API is open."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
     @field_validator("cors_origins", "model_aliases", mode="before")
     @classmethod

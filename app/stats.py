@@ -20,13 +20,20 @@ The stream's events (JSON in `data:` lines, each with a "type"):
                last 3 s), and with sample null whenever a request starts or finishes
     request_started, round, tokens, request_finished: the EventBus events as published (app/events.py)
 
-Access: the stream carries generated text, so it is served only to clients allowed by the API's
-key. EventSource cannot set headers, so the key is also accepted as the `whiflash_key` cookie
-the pages set once the user enters it (never as `?key=`: URLs end up in access logs). With no key configured, only loopback
-clients that address the server by a loopback name are served (the Host check stops a DNS-rebinding
-page from reading it). Cross-origin access follows the app's CORS settings (off by default), and
-the stream is refused altogether while CORS allows any origin. The client's `user` field is
-never published.
+Privacy: each viewer gets a request's generated text (token text and ids, the final trace) only
+for its own requests, or for all of them with the admin key; of everyone else's it gets the
+counts: tokens by source, rounds, acceptance, timing. Who is who is app/viewers.py (the API key
+when keys are on, else the pages' `whiflash_viewer` cookie). Events carry their request's `owner`
+from the scheduler to here; `for_viewer` removes it and the text before an event leaves, so
+neither the text of others' requests nor anyone's identity is sent.
+
+Access: with keys configured the feed needs one of them (or the admin key); EventSource cannot set
+headers, so a key is also accepted as the `whiflash_key` cookie the pages set once the user enters
+it (never as `?key=`: URLs end up in access logs). With no key configured, only loopback clients
+that address the server by a loopback name are served (the Host check stops a DNS-rebinding page
+from reading it), or a viewer presenting the admin key. Cross-origin access follows the app's CORS
+settings (off by default), and the stream is refused altogether while CORS allows any origin. The
+client's `user` field is never published.
 """
 from __future__ import annotations
 
@@ -34,7 +41,6 @@ import asyncio
 import ipaddress
 import json
 import logging
-import secrets
 import time
 from collections import OrderedDict, deque
 from pathlib import Path
@@ -42,7 +48,7 @@ from typing import Any
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, RedirectResponse
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sse_starlette import EventSourceResponse
 
@@ -51,11 +57,11 @@ from whiflash_core.rounds import Round, Tally
 from .errors import APIError
 from .events import EventBus, Subscription
 from .settings import Settings
+from .viewers import Viewer, ensure_viewer_cookie, is_admin, key_matches, offered_key, stats_viewer
 
 log = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).resolve().parents[1] / "static"
-KEY_COOKIE = "whiflash_key"
 KEEP_FINISHED = 20          # finished requests kept for the snapshot
 SAMPLE_SECONDS = 1.0        # chart sample period
 SAMPLE_WINDOW = 3.0         # tokens/s and acceptance length are averaged over this many seconds
@@ -121,8 +127,46 @@ class Aggregates:
                              for name, d in t.drafters.items() if d.rounds}}
 
 
+# --- what one viewer may see ---------------------------------------------------------------------
+
+
+# What another viewer's request shows, field by field (a whitelist, so that a field added to an
+# event later stays on the server until it is known to carry no text). Rounds are numbers and
+# drafter names only; tokens keep their sources (per-source totals still add up), not their text
+# or ids; the final stats lose the trace.
+PUBLIC_FIELDS = {
+    "request_started": {"prompt_tokens", "max_tokens", "method", "alpha", "policy", "temperature", "stream",
+                        "tools", "tool_choice", "endpoint"},
+    "round": {"round", "drafter", "draft_tokens", "accepted", "decided", "switched", "entropy", "seconds",
+              "fallback_from"},
+    "tokens": {"round"},
+    "request_finished": {"finish_reason", "timing"},
+}
+
+
+def for_viewer(event: dict, viewer: Viewer) -> dict:
+    """`event` as `viewer` may see it: never its owner; of another viewer's request only its public
+    fields, marked `hidden`. Events of no request (aggregates) are the same for everyone."""
+    if "owner" not in event:
+        return event
+    if viewer.may_read(event["owner"]):
+        return {k: v for k, v in event.items() if k != "owner"}
+    kind = event["type"]
+    shown = {"type": kind, "time": event["time"], "id": event["id"], "hidden": True,
+             **{k: v for k, v in event.items() if k in PUBLIC_FIELDS.get(kind, ())}}
+    if kind == "tokens":
+        shown["tokens"] = [{"source": t["source"]} for t in event.get("tokens") or []]
+    elif kind == "request_finished":
+        if isinstance(event.get("stats"), dict):
+            shown["stats"] = {k: v for k, v in event["stats"].items() if k != "tokens"}  # the trace is text
+        if event.get("error"):
+            shown["error"] = "failed (the details are the requester's)"  # a message may quote the request
+    return shown
+
+
 class _Client:
-    def __init__(self):
+    def __init__(self, viewer: Viewer):
+        self.viewer = viewer
         self.queue: asyncio.Queue[dict | None] = asyncio.Queue()   # None: end of stream
 
 
@@ -188,17 +232,20 @@ class StatsHub:
             # request counts change now; don't leave the page's totals a tick behind
             self._broadcast({"type": "aggregate", "aggregate": self.aggregates.as_dict(), "sample": None})
 
-    def snapshot(self) -> dict:
+    def snapshot(self, viewer: Viewer) -> dict:
+        """The retained events as `viewer` may see them, the aggregates, and who the viewer is (so the
+        page can say why some text is hidden)."""
         return {"type": "snapshot", "time": time.time(),
-                "events": [e for events in self.requests.values() for e in events],
-                "aggregate": self.aggregates.as_dict(), "samples": list(self.samples)}
+                "events": [for_viewer(e, viewer) for events in self.requests.values() for e in events],
+                "aggregate": self.aggregates.as_dict(), "samples": list(self.samples),
+                "viewer": {"admin": viewer.admin, "identified": viewer.id is not None}}
 
     # fan-out
 
-    def connect(self) -> _Client:
+    def connect(self, viewer: Viewer) -> _Client:
         """A new page: its queue starts with the snapshot, then receives every later event."""
-        client = _Client()
-        client.queue.put_nowait(self.snapshot())
+        client = _Client(viewer)
+        client.queue.put_nowait(self.snapshot(viewer))
         self._clients.add(client)
         return client
 
@@ -211,15 +258,15 @@ class StatsHub:
                 # too slow to keep up: drop its backlog and start it over from a fresh snapshot
                 while not client.queue.empty():
                     client.queue.get_nowait()
-                client.queue.put_nowait(self.snapshot())
+                client.queue.put_nowait(self.snapshot(client.viewer))
             else:
-                client.queue.put_nowait(event)
+                client.queue.put_nowait(for_viewer(event, client.viewer))
 
-    async def stream(self, shutdown: anyio.Event | None = None):
-        """The page's SSE events. Connecting here (not in the endpoint) ties the client's lifetime
+    async def stream(self, viewer: Viewer, shutdown: anyio.Event | None = None):
+        """`viewer`'s SSE events. Connecting here (not in the endpoint) ties the client's lifetime
         to the generator's: sse-starlette closes it when the page goes away. When the server shuts
         down (`shutdown` set by sse-starlette) the stream ends cleanly instead of being cancelled."""
-        client = self.connect()
+        client = self.connect(viewer)
 
         async def end_on_shutdown():
             await shutdown.wait()
@@ -258,35 +305,35 @@ def _host_name(request: Request) -> str:
 
 
 def stats_access(settings: Settings):
-    """Dependency: may this client read the provenance stream (which carries generated text)?"""
-    api_key = settings.api_key
+    """Dependency: may this client read the stats feed at all, and as which viewer (app/viewers.py)?"""
+    keys = settings.api_keys + ([settings.admin_key] if settings.admin_key else [])
 
-    async def check(request: Request) -> None:
+    async def check(request: Request) -> Viewer:
         if "*" in settings.cors_origins:
             # any web page could then read the feed from a visitor's browser (with its cookie)
             raise APIError("The stats stream is disabled while CORS allows any origin ('*').", 403,
                            "permission_error", None, "cors_any_origin")
-        if api_key is None:
-            client = request.client.host if request.client else None
-            if _is_loopback(client) and _host_name(request).lower() in LOOPBACK_HOSTS:
-                return
-            raise APIError("The stats stream is served to loopback clients only when the server has no API key.",
-                           403, "permission_error", None, "loopback_only")
-        # not from the query string: a `?key=` URL lands in access logs, proxies and browser history
-        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
-        offered = [request.cookies.get(KEY_COOKIE), bearer.strip() if scheme.lower() == "bearer" else None]
-        if any(k and secrets.compare_digest(k.encode(), api_key.encode()) for k in offered):
-            return
-        raise APIError("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
+        if settings.api_keys:
+            # not from the query string: a `?key=` URL lands in access logs, proxies and browser history
+            if key_matches(offered_key(request), keys):
+                return stats_viewer(request, settings)
+            raise APIError("Incorrect API key provided.", 401, "invalid_request_error", None, "invalid_api_key")
+        client = request.client.host if request.client else None
+        if is_admin(request, settings) or (_is_loopback(client) and _host_name(request).lower() in LOOPBACK_HOSTS):
+            return stats_viewer(request, settings)
+        raise APIError("The stats stream is served to loopback clients only when the server has no API key.",
+                       403, "permission_error", None, "loopback_only")
     return check
 
 
 # --- routes -------------------------------------------------------------------------------------------
 
 
-def _page(name: str) -> FileResponse:
+def _page(name: str, request: Request) -> Response:
     # no-cache: the pages are tiny and change with the server; a stale copy would confuse
-    return FileResponse(STATIC_DIR / name, media_type="text/html", headers={"Cache-Control": "no-cache"})
+    page = FileResponse(STATIC_DIR / name, media_type="text/html", headers={"Cache-Control": "no-cache"})
+    ensure_viewer_cookie(request, page)  # the browser's identity on the stats feed when keys are off
+    return page
 
 
 def install(app: FastAPI, hub: StatsHub, settings: Settings, api_auth, methods, default_method) -> None:
@@ -299,25 +346,26 @@ def install(app: FastAPI, hub: StatsHub, settings: Settings, api_auth, methods, 
         return RedirectResponse("/chat")
 
     @pages.get("/chat")
-    async def chat_page():
-        return _page("chat.html")
+    async def chat_page(request: Request):
+        return _page("chat.html", request)
 
     @pages.get("/stats")
-    async def stats_page():
-        return _page("stats.html")
+    async def stats_page(request: Request):
+        return _page("stats.html", request)
 
-    guarded = APIRouter(dependencies=[Depends(stats_access(settings))])
+    guarded = APIRouter()
+    access = stats_access(settings)
 
     @guarded.get("/v1/stats/events")
-    async def stats_events():
+    async def stats_events(viewer: Viewer = Depends(access)):
         shutdown = anyio.Event()
-        return EventSourceResponse(hub.stream(shutdown), sep="\n", ping=15, shutdown_event=shutdown,
+        return EventSourceResponse(hub.stream(viewer, shutdown), sep="\n", ping=15, shutdown_event=shutdown,
                                    shutdown_grace_period=1.0,
                                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @guarded.get("/v1/stats/snapshot")
-    async def stats_snapshot():
-        return JSONResponse(json.loads(json.dumps(hub.snapshot(), default=str)))
+    async def stats_snapshot(viewer: Viewer = Depends(access)):
+        return JSONResponse(json.loads(json.dumps(hub.snapshot(viewer), default=str)))
 
     api = APIRouter(dependencies=[Depends(api_auth)])
 

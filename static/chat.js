@@ -138,6 +138,8 @@ async function send(text) {
   const t0 = performance.now();
   let stats = null, usage = null, finishReason = null;
   try {
+    // same-origin: the browser adds this page's whiflash_viewer cookie, so the stats page shows
+    // this browser the text of its own requests (and others only their counts)
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json", ...WF.authHeaders() },

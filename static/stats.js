@@ -14,6 +14,7 @@ const state = {
   samples: [],                  // [{time, tokens_per_s, acceptance_length}]
   sources: new Set(),
   source: null,                 // the EventSource
+  askedAdmin: false,            // an admin key was just entered: say so if it was not accepted
 };
 
 // --- connection -------------------------------------------------------------------------------
@@ -51,11 +52,13 @@ async function checkAccess() {
   if (response.status === 401 || response.status === 403) {
     const body = await response.json().catch(() => ({}));
     const message = body.error ? body.error.message : `HTTP ${response.status}`;
+    const remote = body.error && body.error.code === "loopback_only";  // a key-less server seen from afar
     $("access-message").textContent = response.status === 401
       ? `${message} Enter the server's API key to see the live stream.`
-      : `${message} Start the server with --api-key and enter it here to view the stream remotely.`;
+      : remote ? `${message} Enter the admin key (--admin-key), or start the server with --api-key, to view it remotely.`
+        : message;
     $("access").classList.remove("hidden");
-    $("key-form").classList.toggle("hidden", response.status !== 401);
+    $("key-form").classList.toggle("hidden", response.status !== 401 && !remote);
   } else {
     setTimeout(connect, 1000);
   }
@@ -80,6 +83,7 @@ function handle(event) {
 
 function onSnapshot(snap) {
   // a (re)connect: start over from the server's view
+  renderViewer(snap.viewer || {});
   state.requests.clear();
   $("requests").replaceChildren();
   for (const event of snap.events) handle(event);
@@ -99,6 +103,7 @@ function onAggregate(event) {
 
 function onStarted(e) {
   const r = request(e.id);
+  r.hidden = Boolean(e.hidden);  // another viewer's request: its counts, never its text
   r.started = e.time;
   r.method = e.method;
   r.alpha = e.alpha;
@@ -127,7 +132,7 @@ function onTokens(e) {
   const atBottom = r.text.scrollHeight - r.text.scrollTop - r.text.clientHeight < 8;
   const frag = document.createDocumentFragment();
   for (const t of e.tokens) {
-    frag.append(WF.tokenSpan(t.text, t.source, e.round));
+    frag.append(e.hidden ? hiddenToken(t.source, e.round) : WF.tokenSpan(t.text, t.source, e.round));
     noteSource(t.source);
   }
   r.text.append(frag);
@@ -148,6 +153,26 @@ function onFinished(e) {
   prune();
 }
 
+// A token of another viewer's request: the server sent its source, not its text.
+function hiddenToken(source, round) {
+  const span = WF.tokenSpan("", source, round);
+  span.classList.add("redacted");
+  span.title = `round ${round} · ${source} (text hidden: another viewer's request)`;
+  return span;
+}
+
+// --- who is looking -----------------------------------------------------------------------------
+
+function renderViewer(viewer) {
+  $("viewer").textContent = viewer.admin ? "admin: every request's text" : "your requests' text";
+  $("privacy").classList.toggle("hidden", Boolean(viewer.admin));
+  $("privacy-message").textContent = (state.askedAdmin && !viewer.admin ? "That is not the admin key. " : "") +
+    (viewer.identified
+      ? "Text is shown for your own requests; other viewers' requests show their counts only. The admin key shows every request's text."
+      : "This page has no viewer identity (cookies off?), so requests show their counts only. The admin key shows every request's text.");
+  state.askedAdmin = false;
+}
+
 // --- per-request panels -----------------------------------------------------------------------
 
 function request(id) {
@@ -164,7 +189,7 @@ function request(id) {
 function newRequest(id) {
   const r = {
     id, started: null, last: null, finished: null, reason: null, error: null, stats: null,
-    method: "?", alpha: null, maxTokens: null,
+    method: "?", alpha: null, maxTokens: null, hidden: false,
     tokens: 0, rounds: 0, roundTokens: 0, switches: 0, drafters: {},
   };
   r.title = WF.el("span");
@@ -202,7 +227,8 @@ function renderRequest(r) {
     : WF.el("span", { class: `badge ${failed ? "failed" : "done"}` }, r.reason || "finished");
   r.title.replaceChildren(WF.el("b", {}, r.method), " ",
     WF.el("span", { class: "muted" }, `α ${WF.fmt(r.alpha, 2)}`), " ", badge,
-    r.error ? WF.el("span", { class: "error" }, ` ${r.error}`) : "");
+    r.error ? WF.el("span", { class: "error" }, ` ${r.error}`) : "",
+    r.hidden ? WF.el("span", { class: "hidden-note" }, " text hidden: another viewer's request") : "");
   r.panel.classList.toggle("finished", r.finished !== null && !failed);
   r.panel.classList.toggle("failed", Boolean(failed));
 
@@ -351,5 +377,11 @@ function drawChart(canvas, values, colour, minTop) {
 
 WF.renderLegend($("legend"));
 WF.keyForm($("key-form"), connect);
+$("admin-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  WF.setKey($("admin-key").value.trim());  // kept where an API key is (the admin key is one too)
+  state.askedAdmin = true;
+  connect();
+});
 window.addEventListener("resize", drawCharts);
 connect();

@@ -92,10 +92,12 @@ def _command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "whiflash_core.cli"]
 
 
-def start_server(*args: str, log_dir: Path, api_key: str | None = None, env: dict | None = None) -> LiveServer:
+def start_server(*args: str, log_dir: Path, api_key: str | None = None, env: dict | None = None,
+                 command: list[str] | None = None) -> LiveServer:
+    """`command`: what runs the CLI instead of `whiflash` (e.g. a wrapper that injects a fault)."""
     port = free_port()
     log_path = log_dir / f"whiflash-serve-{port}.log"
-    cmd = _command() + ["serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "1", *args]
+    cmd = (command or _command()) + ["serve", "--host", "127.0.0.1", "--port", str(port), "--threads", "1", *args]
     if api_key:
         cmd += ["--api-key", api_key]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "WHIFLASH_THREADS": "1", **(env or {})}

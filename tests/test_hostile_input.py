@@ -62,6 +62,26 @@ def test_tiny_temperature_through_the_api():
         assert_still_serving(tc)
 
 
+def test_tiny_top_p_keeps_the_most_likely_token_not_nan():
+    from app.limits import MIN_TOP_P
+
+    # found by schemathesis: top_p 5e-324 is 0 in float32, so every token was dropped -> NaN -> 500
+    engine = RecordingEngine("ok")
+    app, tc = in_process(engine)
+    with tc:
+        for top_p in (5e-324, 1e-300):
+            r = tc.post("/v1/chat/completions", json={"messages": HI, "temperature": 1.0, "top_p": top_p})
+            assert r.status_code == 200, r.text
+            assert engine.last.sampling.top_p == MIN_TOP_P
+        assert tc.post("/v1/completions", json={"prompt": "hi", "top_p": 5e-324}).status_code == 200
+        assert_still_serving(tc)
+    # raising a tiny top_p to MIN_TOP_P changes no distribution: the most likely token alone remains
+    logits = torch.randn(4, 50_000)
+    for top_p in (MIN_TOP_P, 1e-9):
+        probs = target_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+        assert probs.tolist() == target_probs(logits, SamplingParams(temperature=0.0)).tolist()
+
+
 # --- nesting depth -------------------------------------------------------------------------------
 
 
@@ -665,3 +685,55 @@ def test_openapi_document_describes_the_chat_request_body():
         target = doc
         for part in ref.removeprefix("#/").split("/"):
             target = target[part]
+
+
+# --- memory handed back after refusals ---------------------------------------------------------
+
+
+def test_refused_requests_trim_the_heap_once_per_burst(monkeypatch):
+    import app.memory as memory
+
+    trims = []
+    monkeypatch.setattr(memory, "release_free_memory", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(memory, "TRIM_DELAY_SECONDS", 0.2)
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        for _ in range(20):  # a burst of refusals, from the limits and from the app
+            assert tc.post("/v1/chat/completions", content="x", headers={"content-type": "text/plain"}).status_code == 415
+            assert tc.post("/v1/chat/completions", json={"messages": "nope"}).status_code == 400
+        wait_until(lambda: trims, 2.0)
+        time.sleep(0.4)
+        assert len(trims) == 1  # one trim for the whole burst, not one per request
+        for _ in range(5):  # served requests leave trimming to the scheduler's idle trim
+            assert_still_serving(tc)
+        time.sleep(0.4)
+        assert len(trims) == 1
+
+
+def test_malloc_arenas_are_capped_unless_the_environment_says(monkeypatch):
+    import argparse
+
+    import app.memory as memory
+    from app.serve_cli import add_parser, settings_from_args
+
+    calls = []
+
+    class Libc:
+        def mallopt(self, param, value):
+            calls.append((param, value))
+
+        def malloc_trim(self, pad):
+            calls.append(("trim", pad))
+
+    monkeypatch.setattr(memory, "_libc", lambda: Libc())
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert Settings().malloc_arena_max == 2
+    memory.limit_malloc_arenas(Settings().malloc_arena_max)
+    assert calls == [(memory.M_ARENA_MAX, 2)]
+    memory.limit_malloc_arenas(0)  # 0: glibc's default
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # glibc read it at start: left alone
+    memory.limit_malloc_arenas(2)
+    assert calls == [(memory.M_ARENA_MAX, 2)]
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    assert settings_from_args(parser.parse_args(["serve", "--malloc-arena-max", "0"])).malloc_arena_max == 0

@@ -119,6 +119,10 @@ def test_stats_aggregates_and_snapshots_merge():
                "events": [{"type": "request_started", "id": "b", "time": 1}]}})
     assert [(e["id"], e["replica"]) for e in snap["events"]] == [("b", "r2"), ("a", "r1")]
     assert snap["aggregate"]["requests"] == 3 and snap["samples"][0]["tokens_per_s"] == 2.0
+    assert "viewer" not in snap
+    viewer = {"admin": False, "identified": True}  # who the stats page is: the same on every replica
+    assert merge_snapshots({"r1": {"type": "snapshot", "viewer": viewer},
+                            "r2": {"type": "snapshot", "viewer": viewer}})["viewer"] == viewer
 
 
 def test_sse_parser_reads_what_the_server_frames():

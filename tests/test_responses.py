@@ -189,6 +189,9 @@ REFUSED = [
     pytest.param({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
                  "input[0].content[0]", id="image-input"),
     pytest.param({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", id="item-reference"),
+    # found by schemathesis: an unhashable type was a TypeError -> 500
+    pytest.param({"input": [{"type": {}}]}, "input[0]", id="object-type"),
+    pytest.param({"input": [{"type": ["message"]}]}, "input[0]", id="list-type"),
     pytest.param({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}, "input[0].call_id",
                  id="call-without-id"),
     pytest.param({"temperature": "0.5"}, "temperature", id="string-temperature"),

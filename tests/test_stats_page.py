@@ -71,7 +71,7 @@ class ReplayGeneration:
         self.engine, self.request, self.spec = engine, request, request.speculation
         self.prompt_len = len(request.prompt_ids)
         self.script = [ord(c) for c in engine.reply]
-        self.output, self.sources = [], []
+        self.output, self.sources, self.rounds_of = [], [], []
         self.tally = Tally.over(self.DRAFTERS)
         self.rounds = 0
         self.finished, self.finish_reason = False, None
@@ -80,6 +80,7 @@ class ReplayGeneration:
     def _emit(self, n, drafter=None):
         take = self.script[len(self.output):len(self.output) + n][: self.request.max_new_tokens - len(self.output)]
         self.output += take
+        self.rounds_of += [self.rounds] * len(take)
         self.sources += ([drafter] * (len(take) - 1) + ["target"]) if drafter else ["target"] * len(take)
         if len(self.output) >= min(len(self.script), self.request.max_new_tokens):
             self.finished, self.finish_reason = True, "stop"
@@ -102,9 +103,13 @@ class ReplayGeneration:
             self.finished, self.finish_reason = True, "cancelled"
 
     def stats(self, trace=None):
-        return {"method": self.spec.method, "rounds": self.rounds, "switches": self.tally.switches,
-                "acceptance_length": len(self.output) / max(self.rounds, 1),
-                "drafters": {k: d.as_dict() for k, d in self.tally.drafters.items()}}
+        out = {"method": self.spec.method, "rounds": self.rounds, "switches": self.tally.switches,
+               "acceptance_length": len(self.output) / max(self.rounds, 1),
+               "drafters": {k: d.as_dict() for k, d in self.tally.drafters.items()}}
+        if self.spec.trace if trace is None else trace:  # as the engine's: each token with its source
+            out["tokens"] = [{"id": t, "text": chr(t), "source": s, "round": r}
+                             for t, s, r in zip(self.output, self.sources, self.rounds_of)]
+        return out
 
     def timing(self):
         return {"total_s": 0.1}
@@ -134,10 +139,10 @@ def free_port() -> int:
 
 
 @contextmanager
-def serve(app):
-    """The app under a real uvicorn on 127.0.0.1 (TestClient cannot follow an endless SSE stream)."""
+def serve(app, host: str = "127.0.0.1"):
+    """The app under a real uvicorn on `host` (TestClient cannot follow an endless SSE stream)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                            timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -146,7 +151,7 @@ def serve(app):
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
         server.should_exit = True
         thread.join(10)
@@ -290,6 +295,13 @@ def shot(page, name: str) -> Path:
     return path
 
 
+def owned_by(page) -> dict:
+    """Headers that make an API request this browser's own: its viewer cookie, which the pages set.
+    The stats page shows a request's text only to the viewer who made it (or the admin)."""
+    (cookie,) = [c for c in page.context.cookies() if c["name"] == "whiflash_viewer"]
+    return {"Cookie": f"whiflash_viewer={cookie['value']}"}
+
+
 def page_tokens(page, request_id: str) -> list[dict]:
     return page.eval_on_selector_all(
         f'[data-request-id="{request_id}"] .tokens [data-source]',
@@ -312,7 +324,7 @@ def wait_for_tokens(page, request_id: str, n: int, timeout: float = 60, until_do
 def test_stats_page_shows_each_token_with_its_source(live_server, page):
     page.goto(live_server.url + "/stats")
     page.wait_for_selector("#status.live", timeout=20_000)
-    r = live_server.client().chat.completions.create(
+    r = live_server.client(default_headers=owned_by(page)).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name three colours."}], max_tokens=40, temperature=0,
         extra_body={"speculation": {"method": "whiflash", "trace": True}})
     trace = r.model_extra["speculation"]["tokens"]
@@ -335,7 +347,8 @@ def test_stats_page_shows_each_token_with_its_source(live_server, page):
 @needs_chromium
 def test_stats_page_opened_mid_stream(live_server, page):
     """A page opened while a request streams first replays what already happened (the snapshot)."""
-    client = live_server.client()
+    page.goto(live_server.url + "/chat")  # the browser's viewer cookie, which the request then carries
+    client = live_server.client(default_headers=owned_by(page))
     result: dict = {}
 
     def run():
@@ -470,3 +483,280 @@ def test_feed_never_publishes_user_and_is_refused_when_cors_allows_any_origin():
             r = httpx.get(url + path, headers={"Authorization": "Bearer secret"})
             assert r.status_code == 403 and r.json()["error"]["code"] == "cors_any_origin", path
         chat(url, key="secret")  # the API itself still works
+
+
+# --- privacy: each viewer sees its own requests' text, the admin everyone's -----------------------
+
+
+def viewer_cookie(url: str, page: str = "/chat") -> dict:
+    """A browser's viewer identity: the cookie a page sets on its first visit."""
+    r = httpx.get(url + page)
+    assert r.status_code == 200 and "whiflash_viewer" in r.cookies
+    return {"whiflash_viewer": r.cookies["whiflash_viewer"]}
+
+
+def chat_as(url: str, cookies: dict | None = None, key: str = "none", **body) -> dict:
+    body = {"messages": [{"role": "user", "content": "hi"}], "speculation": {"method": "whiflash", "trace": True},
+            **body}
+    r = httpx.post(url + "/v1/chat/completions", json=body, cookies=cookies,
+                   headers={"Authorization": f"Bearer {key}"}, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def snapshot_as(url: str, **kw) -> dict:
+    r = httpx.get(url + "/v1/stats/snapshot", timeout=10, **kw)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def events_of(snap: dict, rid: str, kind: str) -> list[dict]:
+    return [e for e in snap["events"] if e.get("id") == rid and e["type"] == kind]
+
+
+def shown_text(snap: dict, rid: str) -> str:
+    return "".join(t.get("text", "") for e in events_of(snap, rid, "tokens") for t in e["tokens"])
+
+
+def assert_counts_without_text(snap: dict, reply: dict, owners_view: dict) -> None:
+    """`snap` has the request's counts (tokens by source, rounds, stats) exactly as its owner's view
+    has them, and none of its text: no token text, no token ids, no trace."""
+    rid, text = reply["id"], reply["choices"][0]["message"]["content"]
+    mine = [t["source"] for e in events_of(owners_view, rid, "tokens") for t in e["tokens"]]
+    theirs = events_of(snap, rid, "tokens")
+    assert [t["source"] for e in theirs for t in e["tokens"]] == mine and mine
+    assert all(set(t) == {"source"} for e in theirs for t in e["tokens"])
+    (started,) = events_of(snap, rid, "request_started")
+    (finished,) = events_of(snap, rid, "request_finished")
+    assert started["hidden"] and finished["hidden"] and all(e["hidden"] for e in theirs)
+    assert "tokens" not in finished["stats"] and "tokens" in events_of(owners_view, rid, "request_finished")[0]["stats"]
+    assert finished["stats"]["rounds"] == reply["speculation"]["rounds"] > 0
+    assert len(events_of(snap, rid, "round")) == reply["speculation"]["rounds"]
+    assert snap["aggregate"]["tokens_by_source"] == owners_view["aggregate"]["tokens_by_source"]
+    assert text not in json.dumps(snap) and "world" not in json.dumps(snap)
+
+
+def test_feed_gives_a_requests_text_to_its_own_viewer_and_the_admin_only():
+    app = create_app(FakeEngine(chunk=3), Settings(admin_key="adm1n-key"))
+    with serve(app) as url:
+        alice, bob = viewer_cookie(url, "/chat"), viewer_cookie(url, "/stats")
+        assert alice != bob
+        # bob watches the live stream while alice's request runs (the live path, not only the snapshot)
+        live: list[dict] = []
+        connected = threading.Event()
+
+        def watch():
+            with httpx.stream("GET", url + "/v1/stats/events", cookies=bob, timeout=30) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        live.append(json.loads(line[6:]))
+                        connected.set()
+                        if live[-1]["type"] == "request_finished":
+                            return
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        assert connected.wait(10)
+        reply = chat_as(url, alice)
+        text = reply["choices"][0]["message"]["content"]
+        watcher.join(10)
+        assert not watcher.is_alive() and live[-1]["id"] == reply["id"]
+
+        owners_view = snapshot_as(url, cookies=alice)
+        assert shown_text(owners_view, reply["id"]) == text
+        assert owners_view["viewer"] == {"admin": False, "identified": True}
+        for view in (snapshot_as(url, cookies=bob), snapshot_as(url), {**live[0], "events": live[1:],
+                                                                     "aggregate": owners_view["aggregate"]}):
+            assert_counts_without_text(view, reply, owners_view)
+        assert snapshot_as(url)["viewer"] == {"admin": False, "identified": False}
+        # a value not made by the server is no identity (a guessable one could be shared by accident)
+        assert_counts_without_text(snapshot_as(url, cookies={"whiflash_viewer": "alice"}), reply, owners_view)
+        # the admin key, as a header or as the pages' key cookie; never from the query string
+        for kw in ({"headers": {"Authorization": "Bearer adm1n-key"}}, {"cookies": {"whiflash_key": "adm1n-key"}}):
+            admin_view = snapshot_as(url, **kw)
+            assert shown_text(admin_view, reply["id"]) == text and admin_view["viewer"]["admin"], kw
+        assert_counts_without_text(snapshot_as(url, params={"key": "adm1n-key"}), reply, owners_view)
+        assert_counts_without_text(snapshot_as(url, headers={"Authorization": "Bearer wrong"}), reply, owners_view)
+        # nobody's identity leaves the server
+        everything = json.dumps([owners_view, admin_view, live])
+        assert "owner" not in everything and alice["whiflash_viewer"] not in everything
+        # a request with no identity (a script without the cookie) is nobody's: the admin sees it
+        anonymous = chat_as(url)
+        assert_counts_without_text(snapshot_as(url, cookies=alice), anonymous, snapshot_as(url, **kw))
+
+
+def test_each_api_key_is_a_tenant_on_the_feed():
+    app = create_app(FakeEngine(chunk=3), Settings(api_key="key-one,key-two", admin_key="adm1n-key"))
+    with serve(app) as url:
+        ones = chat_as(url, key="key-one")
+        twos = chat_as(url, key="key-two")
+        admins = chat_as(url, key="adm1n-key")  # the admin key is an API key too
+        assert httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                          headers={"Authorization": "Bearer key-three"}).status_code == 401
+        one = snapshot_as(url, headers={"Authorization": "Bearer key-one"})
+        two = snapshot_as(url, cookies={"whiflash_key": "key-two"})
+        admin = snapshot_as(url, headers={"Authorization": "Bearer adm1n-key"})
+        assert shown_text(one, ones["id"]) == ones["choices"][0]["message"]["content"]
+        assert shown_text(two, twos["id"]) == twos["choices"][0]["message"]["content"]
+        assert_counts_without_text(two, ones, one)
+        assert_counts_without_text(one, twos, two)
+        assert_counts_without_text(one, admins, admin)
+        for reply in (ones, twos, admins):
+            assert shown_text(admin, reply["id"]) == reply["choices"][0]["message"]["content"]
+        # the viewer cookie means nothing when keys are on: the key is the identity
+        cookie = viewer_cookie(url)
+        assert httpx.get(url + "/v1/stats/snapshot", cookies=cookie).status_code == 401
+        status, _ = first_event(url + "/v1/stats/events", params={"key": "adm1n-key"})
+        assert status == 401
+
+
+def test_pages_give_the_browser_one_http_only_viewer_cookie():
+    with serve(create_app(FakeEngine(), Settings())) as url:
+        r = httpx.get(url + "/chat")
+        cookie = r.headers["set-cookie"]
+        assert cookie.startswith("whiflash_viewer=") and "HttpOnly" in cookie and "SameSite=strict" in cookie
+        assert "Path=/" in cookie and "Secure" not in cookie  # plain http here; https gets Secure
+        value = r.cookies["whiflash_viewer"]
+        assert len(value) >= 32 and value != httpx.get(url + "/chat").cookies["whiflash_viewer"]
+        assert "set-cookie" not in httpx.get(url + "/stats", cookies={"whiflash_viewer": value}).headers  # kept
+        replaced = httpx.get(url + "/stats", cookies={"whiflash_viewer": "bob"})
+        assert replaced.cookies["whiflash_viewer"] not in ("bob", value)
+
+
+def test_admin_key_setting(monkeypatch):
+    import argparse
+
+    from app.serve_cli import add_parser, settings_from_args
+
+    assert Settings().admin_key is None
+    monkeypatch.setenv("WHIFLASH_ADMIN_KEY", "from-env")
+    assert Settings().admin_key == "from-env"
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--admin-key", "from-flag", "--api-key", "a, b"])
+    settings = settings_from_args(args)
+    assert settings.admin_key == "from-flag" and settings.api_keys == ["a", "b"]
+
+
+@needs_chromium
+def test_a_second_viewer_sees_counts_not_text_and_the_admin_sees_both(browser):
+    """Two browsers chat through the chat page (each with its own viewer cookie); on the stats page
+    each sees its own answer's text and only the counts of the other's; the admin key shows both."""
+    app = create_app(FakeEngine(chunk=3), Settings(admin_key="adm1n-key"))
+    with serve(app) as url:
+        contexts = {name: browser.new_context(viewport={"width": 1280, "height": 900}) for name in ("a", "b", "admin")}
+        try:
+            pages = {name: c.new_page() for name, c in contexts.items()}
+            answers = {}
+            for name in ("a", "b"):
+                pg = pages[name]
+                pg.goto(url + "/chat")
+                pg.wait_for_selector("#method option[value=whiflash]", state="attached", timeout=15_000)
+                pg.fill("#prompt", f"hi from {name}")
+                pg.click("#send")
+                pg.wait_for_selector(".msg.assistant .meta:not(.hidden)", timeout=15_000)
+                answers[name] = pg.inner_text(".msg.assistant .answer")
+            reply = FakeEngine().reply
+            assert answers == {"a": reply, "b": reply}
+            snap = snapshot_as(url, headers={"Authorization": "Bearer adm1n-key"})
+            started = [e for e in snap["events"] if e["type"] == "request_started"]
+            ids = {name: e["id"] for name, e in zip(("a", "b"), started)}
+            lengths = {rid: len(shown_text(snap, rid)) for rid in ids.values()}
+
+            for me, other in (("a", "b"), ("b", "a")):
+                pg = pages[me]
+                pg.goto(url + "/stats")
+                pg.wait_for_selector("#status.live", timeout=15_000)
+                assert pg.inner_text("#viewer") == "your requests' text"
+                assert pg.locator("#privacy:not(.hidden)").count() == 1
+                mine = wait_for_tokens(pg, ids[me], lengths[ids[me]], timeout=10)
+                assert "".join(t["text"] for t in mine) == reply
+                theirs = wait_for_tokens(pg, ids[other], lengths[ids[other]], timeout=10)
+                assert len(theirs) == lengths[ids[other]] and all(t["text"] == "" for t in theirs)
+                panel = pg.locator(f'[data-request-id="{ids[other]}"]')
+                assert "text hidden" in panel.inner_text() and "world" not in panel.inner_text()
+                count = panel.locator('.kv div:has(> span:text-is("tokens")) b').inner_text()
+                assert count.startswith(f"{lengths[ids[other]]} /")  # its token count is shown
+                assert pg.locator(f'[data-request-id="{ids[other]}"] .tok.redacted').count() == lengths[ids[other]]
+                pg.wait_for_selector('#totals :text("(0 active)")', timeout=5_000)
+                total = pg.locator('#totals div:has(> span:text-is("tokens")) b').inner_text()
+                assert total == str(sum(lengths.values()))  # the totals count everyone's tokens
+            shot(pages["b"], "stats-page-second-viewer.png")
+
+            pg = pages["admin"]
+            pg.goto(url + "/stats")
+            pg.wait_for_selector("#status.live", timeout=15_000)
+            pg.click("#admin summary")
+            pg.fill("#admin-key", "wrong")
+            pg.click("#admin-form button")
+            pg.wait_for_selector('#privacy-message:text("not the admin key")', timeout=10_000)
+            pg.fill("#admin-key", "adm1n-key")
+            pg.click("#admin-form button")
+            pg.wait_for_selector('#viewer:text("admin")', timeout=10_000)
+            assert pg.locator("#privacy.hidden").count() == 1
+            for rid in ids.values():
+                shown = wait_for_tokens(pg, rid, lengths[rid], timeout=10)
+                assert "".join(t["text"] for t in shown) == reply
+            assert pg.locator(".tok.redacted").count() == 0
+            shot(pg, "stats-page-admin.png")
+        finally:
+            for c in contexts.values():
+                c.close()
+
+
+def test_another_viewers_request_shows_only_its_public_fields():
+    from app.stats import for_viewer
+    from app.viewers import Viewer
+
+    owner, other, admin = Viewer("alice"), Viewer("bob"), Viewer(None, admin=True)
+    started = {"type": "request_started", "time": 1.0, "id": "r", "owner": "alice", "method": "whiflash",
+               "prompt_tokens": 7, "prompt": "a field added later, maybe text"}
+    tokens = {"type": "tokens", "time": 2.0, "id": "r", "owner": "alice", "round": 1,
+              "tokens": [{"id": 72, "text": "H", "source": "eagle3"}]}
+    failed = {"type": "request_finished", "time": 3.0, "id": "r", "owner": "alice", "finish_reason": "error",
+              "error": "generation failed: ValueError: 'secret text'"}
+    for event in (started, tokens, failed):
+        assert for_viewer(event, owner) == for_viewer(event, admin) == {k: v for k, v in event.items() if k != "owner"}
+    assert for_viewer(started, other) == {"type": "request_started", "time": 1.0, "id": "r", "hidden": True,
+                                          "method": "whiflash", "prompt_tokens": 7}
+    assert for_viewer(tokens, other)["tokens"] == [{"source": "eagle3"}]
+    assert "secret" not in json.dumps(for_viewer(failed, other)) and for_viewer(failed, other)["error"]
+    assert for_viewer(tokens, Viewer(None))["hidden"]  # nobody in particular sees no one's text
+    aggregate = {"type": "aggregate", "aggregate": {"tokens": 3}}
+    assert for_viewer(aggregate, other) is aggregate
+
+
+def outward_address() -> str | None:
+    """This machine's address on its network (a non-loopback peer for the server), if it has one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+@needs_chromium
+def test_a_remote_admin_enters_the_admin_key_on_a_keyless_server(browser):
+    """Without keys the feed is for local viewers; from another address the page asks for the admin
+    key, and with it shows every request's text."""
+    address = outward_address()
+    if address is None:
+        pytest.skip("this machine has no non-loopback address to play a remote viewer from")
+    app = create_app(FakeEngine(chunk=3), Settings(admin_key="adm1n-key"))
+    with serve(app, host=address) as url:
+        reply = chat_as(url)
+        context = browser.new_context(viewport={"width": 1280, "height": 700})
+        try:
+            pg = context.new_page()
+            pg.goto(url + "/stats")
+            pg.wait_for_selector("#access:not(.hidden) #key-form:not(.hidden)", timeout=15_000)
+            assert "admin key" in pg.inner_text("#access-message")
+            pg.fill("#key", "adm1n-key")
+            pg.click("#key-form button")
+            pg.wait_for_selector('#viewer:text("admin")', timeout=15_000)
+            text = reply["choices"][0]["message"]["content"]
+            assert "".join(t["text"] for t in wait_for_tokens(pg, reply["id"], len(text), timeout=10)) == text
+        finally:
+            context.close()

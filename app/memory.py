@@ -1,0 +1,90 @@
+"""Handing freed heap back to the OS, so that the server's RSS returns to its level once work ends.
+
+glibc keeps freed memory in its arenas: without a trim, RSS stays at its busiest level after a
+burst of generations (their KV caches, the float32 scratch of long prefills) or after a refused
+request whose body was parsed (a 2 MB body is ~15 MB of Python objects). The scheduler trims when
+it goes idle; `ReleaseMemoryAfterRefusals` trims after refused API requests, which never reach it.
+
+Even trimmed, each malloc arena keeps its partly used pages, and glibc gives threads their own
+arenas (up to 8 per core): every request-preparation thread that once parsed a large body kept a
+few MB, so RSS crept up in steps (+10-20 MB over ten rounds of tests/test_hostile_live.py's refused
+inputs) where with two arenas it stayed flat (+9 MB, once). `limit_malloc_arenas` caps them as
+MALLOC_ARENA_MAX does (the server's `malloc_arena_max`, default 2), as many Python servers are run.
+Threads then share arenas: the engine thread allocates a few tensors per round, so contention for
+an arena's lock should cost it little (not benchmarked: 0 restores glibc's default).
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import functools
+import os
+
+from .limits import is_api_post
+
+TRIM_DELAY_SECONDS = 0.5  # refusals within this long share one trim
+M_ARENA_MAX = -8          # glibc's mallopt() parameter behind MALLOC_ARENA_MAX
+
+
+def release_free_memory() -> None:
+    """Return freed heap memory to the OS (glibc's malloc_trim: ~1-4 ms on a 1 GB heap). A no-op
+    where the C library has no malloc_trim (musl, macOS)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
+def limit_malloc_arenas(count: int) -> None:
+    """At most `count` glibc malloc arenas for the threads that start from now on (0: glibc's own
+    default). MALLOC_ARENA_MAX in the environment, which glibc has already read, takes precedence."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if count > 0 and mallopt is not None and "MALLOC_ARENA_MAX" not in os.environ:
+        mallopt(M_ARENA_MAX, count)
+
+
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+class ReleaseMemoryAfterRefusals:
+    """ASGI middleware around the API's POSTs: after one is refused (4xx), trim the heap once the
+    request's objects are gone. Coalesced (one trim per TRIM_DELAY_SECONDS however many refusals)
+    and run off the event loop, so a flood of bad requests costs no more than a few trims a second."""
+
+    def __init__(self, app):
+        self.app = app
+        self._pending = False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not is_api_post(scope):
+            return await self.app(scope, receive, send)
+        status = 0
+
+        async def noting_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, noting_status)
+        finally:
+            if 400 <= status < 500:
+                self._trim_soon()
+
+    def _trim_soon(self) -> None:
+        if self._pending:
+            return
+        self._pending = True
+        loop = asyncio.get_running_loop()
+
+        def trim():
+            self._pending = False
+            loop.run_in_executor(None, release_free_memory)
+
+        loop.call_later(TRIM_DELAY_SECONDS, trim)
