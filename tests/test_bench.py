@@ -324,3 +324,15 @@ def test_cli_interleaves_and_fails_on_mismatch_in_float32(tmp_path, monkeypatch,
     assert agr["per_method"]["dflash"]["identical_fraction"] == 1.0
     assert "MISMATCH" in capsys.readouterr().err
     assert "| method |" in (tmp_path / "r.md").read_text()
+
+
+def test_peers_flag_takes_all_or_a_list():
+    import argparse
+
+    from whiflash_core.bench.cli import PEERS, add_parser
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers(dest="command"))
+    assert p.parse_args(["bench"]).peers is None
+    assert p.parse_args(["bench", "--peers"]).peers.split(",") == list(PEERS)
+    assert p.parse_args(["bench", "--peers", "llama_cpp"]).peers == "llama_cpp"

@@ -45,8 +45,10 @@ def add_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=1, help="timed runs per (prompt, method); medians are kept")
     p.add_argument("--out", default=None, help="results JSON path")
     p.add_argument("--plot", default=None, help="PNG chart path")
-    p.add_argument("--peers", action="store_true",
-                   help="also run transformers generate, transformers prompt lookup and llama.cpp (if installed)")
+    p.add_argument("--peers", nargs="?", const=",".join(PEERS), default=None, metavar="PEERS",
+                   help="also run peers: transformers generate (hf_generate), transformers prompt lookup "
+                        "(hf_pld) and llama.cpp (llama_cpp, if installed); all of them, or those listed "
+                        f"(comma-separated, of {', '.join(PEERS)})")
     p.add_argument("--prompt-lookup-tokens", type=int, default=10)
     p.add_argument("--url", default=None, help="benchmark a running gateway at this base URL instead of in-process")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's default)")
@@ -106,13 +108,16 @@ def command_line(args) -> str:
     return shlex.join(parts)
 
 
+PEERS = ("hf_generate", "hf_pld", "llama_cpp")
+
+
 def build_inprocess(args, methods, prompts, notes):
     import torch
 
     from ..chat import encode_chat
     from ..loading import load_engine
     from ..sampling import SamplingParams
-    from .runners import EngineRunner, HFGenerateRunner, LlamaCppRunner, llama_cpp_available
+    from .runners import EngineRunner, HFGenerateRunner
 
     engine = load_engine(args.model, args.drafters, args.dtype, args.eagle3, args.dflash, args.threads,
                          **({"weights": args.weights} if args.weights != "dense" else {}), device=args.device)
@@ -135,26 +140,44 @@ def build_inprocess(args, methods, prompts, notes):
 
     from ..loading import DTYPES, load_hf_model
 
-    hf_logging.set_verbosity_error()   # generate() warns about unused sampling fields
-    hf_model, _ = load_hf_model(args.model)
-    hf_model = hf_model.to(DTYPES[args.dtype])
+    peers = set(args.peers.split(","))
+    unknown = peers - set(PEERS)
+    if unknown:
+        raise SystemExit(f"unknown peer(s) {sorted(unknown)}; known: {', '.join(PEERS)}")
     stop = list(engine.eos_ids)
-    runners.append(HFGenerateRunner(hf_model, "hf_generate", stop))
-    runners.append(HFGenerateRunner(hf_model, "hf_pld", stop, prompt_lookup=args.prompt_lookup_tokens))
-    notes.append(f"peers: hf_generate = transformers generate (greedy, {args.dtype}); hf_pld = transformers "
-                 f"prompt-lookup decoding (prompt_lookup_num_tokens={args.prompt_lookup_tokens}); "
-                 "peers are always greedy")
+    if peers & {"hf_generate", "hf_pld"}:
+        hf_logging.set_verbosity_error()   # generate() warns about unused sampling fields
+        hf_model, _ = load_hf_model(args.model)
+        hf_model = hf_model.to(DTYPES[args.dtype])
+        if "hf_generate" in peers:
+            runners.append(HFGenerateRunner(hf_model, "hf_generate", stop))
+        if "hf_pld" in peers:
+            runners.append(HFGenerateRunner(hf_model, "hf_pld", stop, prompt_lookup=args.prompt_lookup_tokens))
+        notes.append(f"peers: hf_generate = transformers generate (greedy, {args.dtype}); hf_pld = transformers "
+                     f"prompt-lookup decoding (prompt_lookup_num_tokens={args.prompt_lookup_tokens}); "
+                     "peers are always greedy")
+    if "llama_cpp" in peers:
+        runners += _llama_cpp_peer(args, stop, notes)
+    return runners
+
+
+def _llama_cpp_peer(args, stop: list[int], notes: list[str]) -> list:
+    """[the llama.cpp runner] on the model's GGUF, or [] with a note saying why not."""
+    import torch
+
+    from .runners import LlamaCppRunner, llama_cpp_available
+
     gguf = _gguf_path(args.model)
     if not llama_cpp_available():
         notes.append("llama.cpp peer skipped: llama-cpp-python is not installed (PyPI ships only an sdist; "
                      "it builds in ~4 min with CMAKE_ARGS=-DGGML_NATIVE=ON)")
-    elif gguf is None:
+        return []
+    if gguf is None:
         notes.append("llama.cpp peer skipped: it needs a .gguf model")
-    else:
-        runners.append(LlamaCppRunner(gguf, stop, args.threads or torch.get_num_threads()))
-        notes.append(f"llama_cpp runs {os.path.basename(gguf)} with its own quantized kernels: token agreement "
-                     "with none is not expected")
-    return runners
+        return []
+    notes.append(f"llama_cpp runs {os.path.basename(gguf)} with its own quantized kernels: token agreement "
+                 "with none is not expected")
+    return [LlamaCppRunner(gguf, stop, args.threads or torch.get_num_threads())]
 
 
 def _gguf_path(model: str | None) -> str | None:
