@@ -3,7 +3,9 @@
     .venv/bin/python bench/compile_probe.py --formats dense,int4 --out bench/results/compile_probe.json
 
 For each weight format: the decoder stack (`TargetModel.run_layers`, everything but the embedding
-lookup and the LM head) is compiled with inductor, one static-shape graph per row count k.
+lookup and the LM head) is compiled with inductor, one static-shape graph per row count k, with
+inductor's Python wrapper (`default`) or its C++ wrapper (`cpp_wrapper`, `--modes`), which takes
+the per-kernel Python dispatch out of the compiled graph.
 Reported per k: compile time (first call), median forward ms eager and compiled on a 300-token
 cache, and the compiled logits' largest difference from eager and whether their argmax agrees.
 """
@@ -39,7 +41,12 @@ def median_ms(model, cache, k: int, repeats: int, g: torch.Generator) -> float:
     return statistics.median(ts[3:]) * 1000
 
 
-def probe(fmt: str, repeats: int) -> dict:
+def probe(fmt: str, repeats: int, mode: str) -> dict:
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()
+    inductor_config.cpp_wrapper = mode == "cpp_wrapper"
     model, _ = load_target(None, "bfloat16", fmt)
     g = torch.Generator().manual_seed(0)
     cache = model.new_cache(CTX + 64)
@@ -65,9 +72,9 @@ def probe(fmt: str, repeats: int) -> dict:
                      "compile_s": round(compile_s, 1),
                      "max_logit_diff": float((logits - eager_logits[k]).abs().max()),
                      "same_argmax": bool((logits.argmax(-1) == eager_logits[k].argmax(-1)).all())})
-        print(fmt, rows[-1], flush=True)
+        print(fmt, mode, rows[-1], flush=True)
     model.run_layers = eager_run_layers
-    return {"format": fmt, "rows": rows}
+    return {"format": fmt, "mode": mode, "rows": rows}
 
 
 def main() -> None:
@@ -75,10 +82,11 @@ def main() -> None:
     ap.add_argument("--formats", default="dense,int4")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--modes", default="default,cpp_wrapper", help="inductor wrappers to try: default, cpp_wrapper")
     ap.add_argument("--out", default="bench/results/compile_probe.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    results = [probe(f, args.repeats) for f in args.formats.split(",")]
+    results = [probe(f, args.repeats, m) for f in args.formats.split(",") for m in args.modes.split(",")]
     out = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "machine": machine_info("bfloat16", args.threads),
            "git": git_info(), "torch": torch.__version__, "context_tokens": CTX, "results": results}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
