@@ -88,8 +88,9 @@ def test_eagle3_init_from_continues_the_shipped_weights(target, first_dir, secon
     # zero steps from it: the export is the shipped drafter, vocabulary and architecture included,
     # although this run's flags ask for another head size and other taps
     zero = tmp_path / "zero"
-    train(TE.build_task, "eagle3", eagle_settings(both, zero, steps=0, init_from=str(shipped), draft_vocab=20,
-                                                  taps="1,2,3"), target=target, quiet=True)
+    out = train(TE.build_task, "eagle3", eagle_settings(both, zero, steps=0, init_from=str(shipped), draft_vocab=20,
+                                                        taps="1,2,3"), target=target, quiet=True)
+    assert out["last_val"]["step"] == 0 and out["last_val"]["tau"] >= 1  # the baseline a new version must beat
     w0, ws = weights(zero / "eagle3"), weights(shipped)
     assert w0.keys() == ws.keys() and all(torch.equal(w0[k], ws[k]) for k in ws)
     raw = json.loads((zero / "eagle3" / "config.json").read_text())

@@ -410,6 +410,8 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
                 say(f"stopped at step {step}; continue with --resume")
                 return {"step": step, "stopped": True}
 
+    if last_val is None and val_set:  # a run of 0 steps: the starting point's validation (the baseline
+        last_val = _validate(task, store, val_set, s, pos.step, log, t_start)  # a new version must beat)
     export()
     plot_log(log_path, png_path, f"{name}: {len(train_set)} sequences")
     say(f"done: {pos.step} steps in {time.time() - t_start:.0f} s; drafter saved to {export_dir}")
