@@ -185,7 +185,9 @@ def test_streaming_with_usage_and_raw_framing(live_server, client, plain):
     assert got["usage"].completion_tokens == expected.usage.completion_tokens
     assert [i for i, _ in got["spec_chunks"]] == [got["n"] - 1]
     # byte level: `data: <json>` events only (no `event:` field), ending in [DONE]
-    body = {"model": MODEL, "messages": CAPITAL, "max_tokens": 4, "stream": True,
+    # greedy: at the default temperature 1 a sampled answer may end (EOS) before 4 tokens
+    assert expected.usage.completion_tokens > 4
+    body = {"model": MODEL, "messages": CAPITAL, "max_tokens": 4, "stream": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
     with httpx.stream("POST", live_server.base_url + "/chat/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -194,6 +196,7 @@ def test_streaming_with_usage_and_raw_framing(live_server, client, plain):
     assert lines[-1] == "data: [DONE]"
     last = json.loads(lines[-2][6:])
     assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    assert json.loads(lines[-3][6:])["choices"][0]["finish_reason"] == "length"
 
 
 def test_stream_helper(client, plain):
