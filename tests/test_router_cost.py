@@ -120,7 +120,7 @@ def test_alpha_zero_picks_the_most_tokens_and_alpha_one_the_most_tokens_per_seco
 
 def _router(alpha: float, costs: CostModel, **spec) -> tuple[Router, dict, Context]:
     eng = tiny_engine(torch.float32)
-    router = Router(eng.drafters, SpeculationConfig(method="whiflash", alpha=alpha, **spec), 0.0, costs)
+    router = Router(eng.drafters, SpeculationConfig(method="whiflash", policy="cost", alpha=alpha, **spec), 0.0, costs)
     states = {n: d.new_state(64) for n, d in router.drafters.items()}
     ids = torch.arange(20) % 7
     ctx = Context(ids, 10, torch.zeros(64, len(eng.tap_layers), 32, dtype=torch.float32), eng.tap_layers)

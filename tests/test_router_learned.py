@@ -141,6 +141,15 @@ def test_the_mlp_file_round_trips_in_bf16_and_a_576_wide_one_is_under_a_megabyte
     back = RouterMLP.load(path)
     assert back.cfg == cfg and back.summary == {"note": "test"}
     x = torch.randn(cfg.n_features)
+    # the serving path (standardisation folded into fc1) computes what forward does, and follows
+    # a change of the weights
+    for model in (mlp, back):
+        assert sum(model.rates(x).values(), []) == pytest.approx(torch.sigmoid(model(x[None]))[0].tolist(), abs=1e-6)
+    with torch.no_grad():
+        back.fc1.bias.add_(1.0)
+    assert sum(back.rates(x).values(), []) == pytest.approx(torch.sigmoid(back(x[None]))[0].tolist(), abs=1e-6)
+    with torch.no_grad():
+        back.fc1.bias.sub_(1.0)
     for name, rates in back.rates(x).items():
         assert len(rates) == dict(zip(cfg.drafters, cfg.draft_lens))[name]
         assert rates == pytest.approx(mlp.rates(x)[name], abs=0.02)   # bf16 weights

@@ -87,6 +87,15 @@ def top1_probability(logits: torch.Tensor) -> float:
     return float(1.0 / torch.exp(logits.float() - logits.max().float()).sum())
 
 
+def entropy_and_top1(logits: torch.Tensor) -> tuple[float, float]:
+    """The target's entropy (nats) and top-1 probability from its logits [V], from one softmax and
+    one host read (the entropy and learned policies read both)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    entropy, top1 = torch.stack([-(p * logp).sum(), p.max()]).tolist()
+    return entropy, top1
+
+
 def situation(drafter: str, top1: float, match: int) -> int:
     """The bucket a round falls in before drafting (see the module docstring)."""
     return match if drafter == "ngram" else bisect_right(TOP1_BINS, top1)

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
-from .acceptance import AcceptanceModel, expected_tokens_by_k, situation, top1_probability
+from .acceptance import AcceptanceModel, entropy_and_top1, expected_tokens_by_k, situation, top1_probability
 from .costs import CostModel
 from .drafters.base import Context, Drafter, DrafterState
 from .layers import entropy_from_logits
@@ -243,8 +243,11 @@ class Router:
             room = ctx.n + 1 - start if match else 0
         # the prompt is charged to no round (see __init__)
         backlogs = {name: max(ctx.n - max(states[name].n_seen, self.prompt_len), 0) for name in self.drafters}
-        entropy = entropy_from_logits(logits) if self.policy != "cost" else None
-        return RoundInputs(limit, top1_probability(logits), entropy, match, room, backlogs, hidden)
+        if self.policy == "cost":
+            top1, entropy = top1_probability(logits), None
+        else:
+            entropy, top1 = entropy_and_top1(logits)
+        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden)
 
     def choose(self, inputs: RoundInputs) -> Route:
         """This round's drafter and draft length by the request's policy."""
