@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from whiflash_core.bench.report import category_rows, markdown_table, overall_rows, text_table
+from whiflash_core.bench.report import category_rows, markdown_table, overall_rows, router_cell, text_table
 from whiflash_core.bench.runners import HttpRunner, cut_at_stop
 from whiflash_core.bench.stats import (ALL, PromptRecord, RunResult, agreement, collapse_repeats, matching_prefix,
                                        mismatches, summarize)
@@ -109,6 +109,11 @@ def test_round_share_per_drafter_over_the_prompts_of_a_method():
     (s, _all) = summarize(recs, ["whiflash"], ["c"])
     assert s.round_share == pytest.approx({"eagle3": 0.8, "ngram": 0.15, "plain": 0.05})
     assert round_share(s.round_share) == "eagle3 80%, ngram 15%, plain 5%"
+
+
+def test_the_router_cell_shows_its_share_of_the_round():
+    assert router_cell({"router": 0.6, "catch_up": 1.0, "draft": 8.4, "verify": 30.0}) == "0.60 (1.5%)"
+    assert router_cell({}) == "-"
 
 
 def test_summary_without_rounds_or_decode_time():

@@ -349,7 +349,7 @@ BAD_REQUESTS = [
     pytest.param({"speculation": {"alpha": 1.5}}, "speculation.alpha", id="alpha-out-of-range"),
     pytest.param({"speculation": {"num_draft_tokens": 0}}, "speculation.num_draft_tokens", id="zero-draft-tokens"),
     pytest.param({"speculation": {"method": "medusa"}}, "speculation.method", id="unknown-method"),
-    pytest.param({"speculation": {"policy": "learned"}}, "speculation.policy", id="unknown-policy"),
+    pytest.param({"speculation": {"policy": "neural"}}, "speculation.policy", id="unknown-policy"),
     pytest.param({"speculation": {"trace": "yes"}}, "speculation.trace", id="trace-not-bool"),
     pytest.param({"tool_choice": "required"}, "tool_choice", id="tool-choice-without-tools"),
     pytest.param({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",

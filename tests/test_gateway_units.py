@@ -16,6 +16,7 @@ from app.main import create_app
 from app.output import TextAccumulator
 from app.settings import Settings
 from app.tools import ToolCallParser, parse_tool_calls
+from whiflash_core.config import SpeculationConfig
 from whiflash_core.rounds import Round, Tally
 
 # --- tool-call parsing under every chunking ------------------------------------------------------
@@ -343,14 +344,14 @@ def test_speculation_policy_is_validated_and_reaches_the_engine():
     app, tc = in_process(engine)
     with tc:
         client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
-        for bad in ("learned", "", 1):
+        for bad in ("neural", "", 1):
             with pytest.raises(openai.BadRequestError) as info:
                 client.chat.completions.create(model=MODEL, messages=HI, extra_body={"speculation": {"policy": bad}})
             assert info.value.response.json()["error"]["param"] == "speculation.policy", bad
-        for policy in ("entropy", "cost"):
+        for policy in ("entropy", "cost", "learned"):
             client.chat.completions.create(model=MODEL, messages=HI, extra_body={"speculation": {"policy": policy}})
         client.chat.completions.create(model=MODEL, messages=HI)
-    assert [s.policy for s in started] == ["entropy", "cost", "cost"]   # the default: cost
+    assert [s.policy for s in started] == ["entropy", "cost", "learned", SpeculationConfig().policy]
 
 
 def test_full_server_answers_429_then_recovers():

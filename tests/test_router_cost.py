@@ -11,6 +11,7 @@ from whiflash_core.drafters.base import Context
 from whiflash_core.engine import GenerationRequest, SpeculationConfig
 from whiflash_core.rounds import Round, RoundTimes
 from whiflash_core.router import Candidate, Router, best
+from whiflash_core.router_mlp import RouterMLP, RouterMLPConfig
 
 # --- the cost model ------------------------------------------------------------------------------
 
@@ -119,7 +120,7 @@ def test_alpha_zero_picks_the_most_tokens_and_alpha_one_the_most_tokens_per_seco
 
 def _router(alpha: float, costs: CostModel, **spec) -> tuple[Router, dict, Context]:
     eng = tiny_engine(torch.float32)
-    router = Router(eng.drafters, SpeculationConfig(method="whiflash", alpha=alpha, **spec), 0.0, costs)
+    router = Router(eng.drafters, SpeculationConfig(method="whiflash", policy="cost", alpha=alpha, **spec), 0.0, costs)
     states = {n: d.new_state(64) for n, d in router.drafters.items()}
     ids = torch.arange(20) % 7
     ctx = Context(ids, 10, torch.zeros(64, len(eng.tap_layers), 32, dtype=torch.float32), eng.tap_layers)
@@ -162,19 +163,25 @@ def test_router_learns_a_drafters_acceptance_within_the_request():
 
 
 def test_every_policy_and_alpha_equals_plain_decode_float32():
-    """Lossless whatever the router picks: float32 identity for both policies and alpha 0, 0.5, 1,
-    with a cost model whose verify steps make alpha change the picks."""
+    """Lossless whatever the router picks: float32 identity for every policy and alpha 0, 0.5, 1,
+    with a cost model whose verify steps make alpha change the picks (`learned` with a random MLP:
+    its predictions are arbitrary, and still only the target decides)."""
     eng = tiny_engine(torch.float32)
     eng.costs = CostModel.with_table({1: 0.010, 4: 0.011, 5: 0.016, 8: 0.018, 16: 0.040})
+    lens = {name: d.draft_len(SpeculationConfig()) for name, d in eng.drafters.items()}
+    torch.manual_seed(0)
+    eng.router_mlp = RouterMLP(RouterMLPConfig(eng.target.cfg.hidden_size, tuple(lens), tuple(lens.values()))).eval()
     prompt = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(5)).tolist()
     prompt = prompt + prompt[:12]   # a repeat, so prompt lookup has matches
     plain = eng.generate(GenerationRequest(prompt, 60, speculation=SpeculationConfig(method="none"))).output
     shapes = {}
-    for policy in ("cost", "entropy"):
+    for policy in ("cost", "entropy", "learned"):
         for alpha in (0.0, 0.5, 1.0):
             spec = SpeculationConfig(method="whiflash", policy=policy, alpha=alpha, entropy_threshold=3.5)
             gen = eng.generate(GenerationRequest(prompt, 60, speculation=spec))
             assert gen.output == plain, (policy, alpha)
+            assert gen.stats()["policy"] == policy
             shapes[policy, alpha] = gen.stats()["draft_tokens"]
-    # the knob moves the cost policy: alpha 0 drafts the most
+    # the knob moves the cost and learned policies: alpha 0 drafts the most
     assert shapes["cost", 0.0] > shapes["cost", 1.0]
+    assert shapes["learned", 0.0] > shapes["learned", 1.0]

@@ -25,6 +25,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
+import torch
+
 TOP1_BINS = (0.5, 0.8, 0.95)   # situation edges on the target's top-1 probability
 RATE_DECAY = 0.9                # weight of the past per observation of a position
 PRIOR_WEIGHT = 2.0              # pseudo observations behind the prior and the drafter-wide rates
@@ -80,6 +82,20 @@ def expected_tokens_by_k(rates: list[float], k_max: int) -> list[float]:
     return out
 
 
+def top1_probability(logits: torch.Tensor) -> float:
+    """The target's top-1 probability from its logits [V]: 1 / sum(exp(l - max l))."""
+    return float(1.0 / torch.exp(logits.float() - logits.max().float()).sum())
+
+
+def entropy_and_top1(logits: torch.Tensor) -> tuple[float, float]:
+    """The target's entropy (nats) and top-1 probability from its logits [V], from one softmax and
+    one host read (the entropy and learned policies read both)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    p = logp.exp()
+    entropy, top1 = torch.stack([-(p * logp).sum(), p.max()]).tolist()
+    return entropy, top1
+
+
 def situation(drafter: str, top1: float, match: int) -> int:
     """The bucket a round falls in before drafting (see the module docstring)."""
     return match if drafter == "ngram" else bisect_right(TOP1_BINS, top1)
@@ -97,6 +113,12 @@ class AcceptanceModel:
         prior = [PRIOR_RATE.get(drafter, DEFAULT_PRIOR_RATE)] * k_max
         overall = self.overall.get(drafter, PositionRates()).shrunk(prior)
         return self.by_situation.get((drafter, where), PositionRates()).shrunk(overall)
+
+    def observed(self, drafter: str, where: int) -> float:
+        """Decayed rounds behind `drafter`'s first-position rate in situation `where` (0: only the
+        prior and the drafter-wide rates speak)."""
+        rates = self.by_situation.get((drafter, where))
+        return rates.weights[0] if rates is not None and rates.weights else 0.0
 
     def update(self, drafter: str, where: int, k: int, accepted: int) -> None:
         if k <= 0:

@@ -19,9 +19,12 @@ from .router import Method, Policy
 class SpeculationConfig:
     method: Method = field(default="whiflash", metadata={
         "help": "drafting method: none, eagle3, dflash, ngram (prompt lookup) or whiflash (routed)"})
-    policy: Policy = field(default="cost", metadata={
-        "help": "whiflash routing: cost (argmax over every drafter and draft length of expected tokens / "
-                "expected round time ** alpha) or entropy (the paper's threshold rule, the baseline)"})
+    policy: Policy = field(default="learned", metadata={
+        "help": "whiflash routing: learned (argmax over every drafter and draft length of expected tokens / "
+                "expected round time ** alpha, the expected tokens predicted by the MLP that `whiflash train "
+                "router` ships beside the drafters; without that file, cost), cost (the same argmax, the "
+                "expected tokens from this request's acceptance so far) or entropy (the paper's threshold "
+                "rule, the baseline)"})
     alpha: float = field(default=0.5, metadata={
         "ge": 0.0, "le": 1.0, "help": "router trade-off: 1 = most tokens per second for this request (lowest "
                                       "latency), 0 = most tokens per target forward"})

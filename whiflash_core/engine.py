@@ -34,6 +34,7 @@ from .logits import LogitAdjustments, Penalizer, TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
 from .rounds import Round, RoundTimes, Tally
 from .router import LOOKUP, METHODS, Method, Route, Router, RouterCalibration, available_methods
+from .router_mlp import RouterMLP
 from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
 from .target import TargetModel
 
@@ -82,16 +83,19 @@ class RoundPlan:
 
 
 class Engine:
-    """A target, its drafters, the router calibration and the round-cost model, shared by all requests."""
+    """A target, its drafters, the router calibration, the learned policy's MLP and the round-cost
+    model, shared by all requests."""
 
     def __init__(self, target: TargetModel, tokenizer=None, drafters: dict[str, Drafter] | None = None,
                  calibration: RouterCalibration | None = None, model_name: str = "target",
-                 costs: CostModel | None = None, prefix_cache: PrefixCache | None = None):
+                 costs: CostModel | None = None, prefix_cache: PrefixCache | None = None,
+                 router_mlp: RouterMLP | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafters = dict(drafters or {})
         self.drafters.setdefault(LOOKUP, NgramDrafter())  # weightless: always available
         self.calibration = calibration or RouterCalibration()
+        self.router_mlp = router_mlp   # speculation.policy "learned" (None: such requests route by cost)
         # what rounds cost on this machine: learned from every request's rounds (costs.py)
         self.costs = costs or CostModel()
         self.model_name = model_name
@@ -185,7 +189,7 @@ class Generation:
         threshold = spec.entropy_threshold
         if threshold is None:
             threshold = engine.calibration.threshold(spec.alpha)
-        self.router = Router(engine.drafters, spec, threshold, engine.costs)
+        self.router = Router(engine.drafters, spec, threshold, engine.costs, engine.router_mlp)
         self.router.prompt_len = len(request.prompt_ids)
 
         p = self.prompt_len = len(request.prompt_ids)
@@ -210,6 +214,7 @@ class Generation:
             if request.adjustments.active else None
         self.logprobs: list[TokenLogprob] = []   # per emitted token, when the request asks for them
         self.last_logits: torch.Tensor | None = None   # target logits [V] at the last verified position
+        self.last_hidden: torch.Tensor | None = None   # its final-norm hidden state [d] (the learned router's input)
         self.finished = False
         self.finish_reason: str | None = None
         self.fallback_from: str | None = None   # a drafter that raised: plain decoding since then
@@ -242,6 +247,7 @@ class Generation:
         logits = self._target_logits(out.logits, None)
         _, tok = self._verify(logits, None, masks)
         self.last_logits = out.logits[-1]
+        self.last_hidden = out.last_hidden[-1].clone()   # a copy: the prompt's hidden states can go
         self.ids[p] = tok
         self.prefill_s += time.perf_counter() - t0
         self._emit([tok], ["target"], round_index=0, logits=logits)
@@ -293,7 +299,7 @@ class Generation:
         clock = _Clock()
         # route: the router picks this round's drafter and draft length k (never past max_tokens or the context)
         limit = min(self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
-        route = self.router.route(self.states, self._context(), self.last_logits, limit)
+        route = self.router.route(self.states, self._context(), self.last_logits, limit, self.last_hidden)
         k = min(route.draft_len, limit)
         clock.lap("router")
         # propose: draft d1..dk (with their proposal distributions q [k, V] when sampling)
@@ -331,7 +337,7 @@ class Generation:
             self.taps[n:n + a + 1] = out.taps[: a + 1]
         emitted = draft.tokens[:a].tolist() + [nxt]
         self.ids[n + 1:n + a + 2] = torch.tensor(emitted, device=self.device)
-        self.last_logits = out.logits[a]
+        self.last_logits, self.last_hidden = out.logits[a], out.last_hidden[a]
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
                   times=clock.times, fallback_from=plan.failed)
@@ -460,6 +466,8 @@ class Generation:
             "drafters": {name: d.as_dict() for name, d in t.drafters.items()},
             "switches": t.switches,
         }
+        if self.router.routes:   # the policy that routed (a request asking for `learned` without its MLP: cost)
+            out["policy"] = self.router.policy
         if self.fallback_from is not None:
             out["fallback_from"] = self.fallback_from
         if trace:

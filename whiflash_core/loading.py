@@ -6,6 +6,7 @@ Drafter directory layout (what `whiflash train` writes and what ships under mode
     DIR/eagle3/{config.json, model.safetensors}   SafeAILab or speculators format
     DIR/dflash/{config.json, model.safetensors}   z-lab format
     DIR/router.json                               entropy thresholds from `whiflash bench`
+    DIR/router_mlp.safetensors                    the learned policy's MLP (`whiflash train router`)
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from .engine import Engine
 from .machine import Formats, formats_from, light_formats, measure
 from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8
 from .router import RouterCalibration
+from .router_mlp import FILE_NAME as ROUTER_MLP_FILE, RouterMLP
 from .target import STACKED, Rotary, TargetConfig, TargetModel
 
 log = logging.getLogger(__name__)
@@ -230,6 +232,24 @@ def load_drafters(path: str, target: TargetModel) -> dict:
             if os.path.exists(os.path.join(path, name, "config.json"))}
 
 
+def load_router_mlp(directory: str | None, target: TargetModel, drafters: dict) -> RouterMLP | None:
+    """DIR/router_mlp.safetensors when present and made for this target (its hidden size) and these
+    drafters (at least one head for a loaded one); otherwise None, logged: requests asking for the
+    learned policy then route by cost."""
+    path = os.path.join(directory, ROUTER_MLP_FILE) if directory else None
+    if path is None or not os.path.exists(path):
+        return None
+    mlp = RouterMLP.load(path, target.device)
+    if mlp.cfg.hidden_size != target.cfg.hidden_size:
+        log.warning("%s was trained on a target of hidden size %d, not %d: not loaded", path,
+                    mlp.cfg.hidden_size, target.cfg.hidden_size)
+        return None
+    if not set(mlp.cfg.drafters) & (set(drafters) | {"ngram"}):
+        log.warning("%s predicts drafters %s, none of which is loaded: not loaded", path, list(mlp.cfg.drafters))
+        return None
+    return mlp
+
+
 def load_engine(model: str | None = None, drafters: str | None = None, dtype: str = "bfloat16",
                 eagle3: str | None = None, dflash: str | None = None, threads: int | None = None,
                 weights: str = "dense", measure_costs: bool = True, device: str | None = None) -> Engine:
@@ -259,7 +279,8 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
     if directory and os.path.exists(os.path.join(directory, "router.json")):
         calibration = RouterCalibration.load(os.path.join(directory, "router.json"))
     name = EMBEDDED_NAME if model is None else os.path.basename(os.path.normpath(model))
-    engine = Engine(target, tokenizer, found, calibration, model_name=name)
+    engine = Engine(target, tokenizer, found, calibration, model_name=name,
+                    router_mlp=load_router_mlp(directory, target, found))
     if measure_costs:
         engine.costs = costs.measure(engine)
     return engine

@@ -16,6 +16,13 @@ and a plain decode step, by the request's `policy`:
                  busy server's total throughput needs once verify forwards are shared).
   The draft length is adaptive: a longer draft wins only where its extra expected tokens pay for
   its extra time (at alpha = 0 time is free, so the longest draft of the best drafter wins).
+- `learned`: the same argmax g / t ** alpha, with g from the learned MLP (router_mlp.py) instead
+  of the request's running acceptance: per drafter it predicts p_1..p_K from the target's final
+  hidden state at the last accepted position, its entropy and top-1 probability there, the
+  prompt-lookup match and this request's acceptance so far; trained by `whiflash train router`,
+  shipped beside the drafters as `router_mlp.safetensors`. Without that file a request asking for
+  `learned` is routed by `cost` (logged once); a loaded drafter the MLP has no head for keeps the
+  running-acceptance g.
 - `entropy`: the paper's threshold rule, kept as the baseline: a prompt-lookup draft when the
   context's last 3 tokens occurred before, else EAGLE-3 when the target's next-token entropy is
   above the threshold (uncertain text, where a chain drafter does better), DFlash below it
@@ -32,24 +39,28 @@ engine never names a drafter.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
-from .acceptance import AcceptanceModel, expected_tokens_by_k, situation
+from .acceptance import AcceptanceModel, entropy_and_top1, expected_tokens_by_k, situation, top1_probability
 from .costs import CostModel
 from .drafters.base import Context, Drafter, DrafterState
 from .layers import entropy_from_logits
 from .rounds import Round
+from .router_mlp import RouterMLP, features
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from .config import SpeculationConfig
 
 Method = Literal["none", "eagle3", "dflash", "ngram", "whiflash"]
 METHODS: tuple[str, ...] = get_args(Method)
-Policy = Literal["cost", "entropy"]
+Policy = Literal["cost", "entropy", "learned"]
 POLICIES: tuple[str, ...] = get_args(Policy)
 # The drafters a method needs loaded. Single-drafter methods use theirs every round; whiflash
 # needs both trained kinds (the entropy rule chooses between them as (autoregressive, block)) and
@@ -119,7 +130,23 @@ class EntropyRouter:
 
     def choose(self, logits: torch.Tensor) -> tuple[str, float]:
         h = entropy_from_logits(logits)
-        return (self.ar if h > self.threshold else self.block), h
+        return self.pick(h), h
+
+    def pick(self, entropy: float) -> str:
+        return self.ar if entropy > self.threshold else self.block
+
+
+@dataclass
+class RoundInputs:
+    """What the router knows before drafting, all from the verified context (`Router.inputs`; an
+    offline replay of labelled rounds builds the same from its labels, training/router.py)."""
+    limit: int                        # most draft tokens this round (tokens left, room in the context)
+    top1: float                       # the target's top-1 probability at the last accepted position
+    entropy: float | None = None      # its entropy (nats); only the entropy and learned policies read it
+    match: int = 0                    # prompt lookup's suffix match size (0: none)
+    lookup_room: int = 0              # tokens prompt lookup can copy after its match
+    backlogs: dict[str, int] = field(default_factory=dict)   # per drafter: catch-up charged to this round
+    hidden: torch.Tensor | None = None   # the target's final-norm hidden state there [d] (learned policy)
 
 
 @dataclass
@@ -160,7 +187,7 @@ class Router:
     """Per-request routing: the drafters a method uses and each round's choice among them."""
 
     def __init__(self, drafters: dict[str, Drafter], spec: SpeculationConfig, threshold: float,
-                 costs: CostModel | None = None):
+                 costs: CostModel | None = None, learned: RouterMLP | None = None):
         if spec.method in ROUTING_METHODS:
             names = tuple(n for n in drafters if n != LOOKUP or spec.prompt_lookup)
         else:
@@ -169,6 +196,11 @@ class Router:
         self.draft_lens = {name: d.draft_len(spec) for name, d in self.drafters.items()}
         self.routes = spec.method in ROUTING_METHODS
         self.policy, self.alpha = spec.policy, spec.alpha
+        if self.routes and self.policy == "learned" and learned is None:
+            _log_once("speculation.policy 'learned' asked for, but no router MLP is loaded (no "
+                      "router_mlp.safetensors beside the drafters): routing by 'cost' instead")
+            self.policy = "cost"
+        self.learned = learned if self.policy == "learned" else None
         self.entropy = EntropyRouter(threshold, *ROUTED["whiflash"]) if self.routes else None
         self.costs = costs if costs is not None else CostModel()
         self.acceptance = AcceptanceModel()
@@ -183,24 +215,45 @@ class Router:
         return max(self.draft_lens.values(), default=0)
 
     def route(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
-              limit: int | None = None) -> Route:
-        """Choose from the verified context and the target's logits at its last position [V];
-        `limit` caps the draft length (tokens left to emit, room in the context)."""
+              limit: int | None = None, hidden: torch.Tensor | None = None) -> Route:
+        """Choose from the verified context, the target's logits at its last position [V] and (for
+        the learned policy) its final-norm hidden state there [d]; `limit` caps the draft length
+        (tokens left to emit, room in the context)."""
         if not self.drafters:
             return Route(None)
         limit = self.longest_draft if limit is None else max(limit, 0)
         if not self.routes:
             name = next(iter(self.drafters))
             route = Route(name, min(self.draft_lens[name], limit))
-        elif self.policy == "entropy":
-            route = self._by_entropy(states, ctx, logits, limit)
         else:
-            route = self._by_cost(states, ctx, logits, limit)
+            route = self.choose(self.inputs(states, ctx, logits, limit, hidden))
         route.switched = self.previous is not None and route.drafter != self.previous
         self.previous = route.drafter
         if route.drafter is not None:
             route.backlog = max(ctx.n - states[route.drafter].n_seen, 0)
         return route
+
+    def inputs(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, limit: int,
+               hidden: torch.Tensor | None = None) -> RoundInputs:
+        """This round's RoundInputs from the live request."""
+        match, room = 0, 0
+        lookup = self.drafters.get(LOOKUP)
+        if lookup is not None:   # prompt lookup drafts only what followed its match
+            match, start = lookup.match(states[LOOKUP], ctx.ids, ctx.n)
+            room = ctx.n + 1 - start if match else 0
+        # the prompt is charged to no round (see __init__)
+        backlogs = {name: max(ctx.n - max(states[name].n_seen, self.prompt_len), 0) for name in self.drafters}
+        if self.policy == "cost":
+            top1, entropy = top1_probability(logits), None
+        else:
+            entropy, top1 = entropy_and_top1(logits)
+        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden)
+
+    def choose(self, inputs: RoundInputs) -> Route:
+        """This round's drafter and draft length by the request's policy."""
+        if self.policy == "entropy":
+            return self._by_entropy(inputs)
+        return self._by_gain(inputs)
 
     def observe(self, route: Route, r: Round) -> None:
         """Learn from the round `route` led to: its drafter's acceptance, the round's costs."""
@@ -210,32 +263,49 @@ class Router:
 
     # -- policies -------------------------------------------------------------------------------
 
-    def _by_entropy(self, states, ctx: Context, logits: torch.Tensor, limit: int) -> Route:
-        lookup = self.drafters.get(LOOKUP)
-        if lookup is not None and lookup.match(states[LOOKUP], ctx.ids, ctx.n)[0] >= LOOKUP_FIRST_NGRAM:
-            return Route(LOOKUP, min(self.draft_lens[LOOKUP], limit))
-        name, entropy = self.entropy.choose(logits)
-        return Route(name, min(self.draft_lens[name], limit), entropy=entropy)
+    def _by_entropy(self, inputs: RoundInputs) -> Route:
+        if LOOKUP in self.drafters and inputs.match >= LOOKUP_FIRST_NGRAM:
+            return Route(LOOKUP, min(self.draft_lens[LOOKUP], inputs.limit))
+        name = self.entropy.pick(inputs.entropy)
+        return Route(name, min(self.draft_lens[name], inputs.limit), entropy=inputs.entropy)
 
-    def _by_cost(self, states, ctx: Context, logits: torch.Tensor, limit: int) -> Route:
-        # the target's top-1 probability at the last accepted position: 1 / sum(exp(l - max l))
-        top1 = float(1.0 / torch.exp(logits.float() - logits.max().float()).sum())
-        longest = min(self.longest_draft, limit)
+    def _by_gain(self, inputs: RoundInputs) -> Route:
+        """The cost and learned policies: argmax over (drafter, k) and a plain step of g / t ** alpha."""
+        longest = min(self.longest_draft, inputs.limit)
         verify = self.costs.verify.estimates(longest + 1)
         candidates = [Candidate(None, 0, 1.0, self.costs.round_time(None, 0, 0, verify))]
+        predicted = self.predicted_rates(inputs)
         where: dict[str, int] = {}
-        for name, drafter in self.drafters.items():
-            k_max, match = min(self.draft_lens[name], limit), 0
-            if name == LOOKUP:   # prompt lookup drafts only what followed its match
-                match, start = drafter.match(states[name], ctx.ids, ctx.n)
-                k_max = min(k_max, ctx.n + 1 - start) if match else 0
+        for name in self.drafters:
+            k_max = min(self.draft_lens[name], inputs.limit)
+            if name == LOOKUP:
+                k_max = min(k_max, inputs.lookup_room)
             if k_max <= 0:
                 continue
-            where[name] = situation(name, top1, match)
-            gains = expected_tokens_by_k(self.acceptance.rates(name, where[name], k_max), k_max)
-            backlog = max(ctx.n - max(states[name].n_seen, self.prompt_len), 0)
-            candidates += [Candidate(name, k, gains[k], self.costs.round_time(name, k, backlog, verify))
+            where[name] = situation(name, inputs.top1, inputs.match)
+            rates = predicted.get(name) or self.acceptance.rates(name, where[name], k_max)
+            # a request drafting past the positions the MLP predicts: its last rate for the rest
+            rates = rates + rates[-1:] * (k_max - len(rates))
+            gains = expected_tokens_by_k(rates, k_max)
+            candidates += [Candidate(name, k, gains[k], self.costs.round_time(name, k, inputs.backlogs[name], verify))
                            for k in range(1, k_max + 1)]
         c = best(candidates, self.alpha)
         return Route(c.drafter, c.k, situation=where.get(c.drafter, 0), expected_tokens=c.tokens,
                      expected_s=c.seconds)
+
+    def predicted_rates(self, inputs: RoundInputs) -> dict[str, list[float]]:
+        """The learned policy's p_1..p_K per drafter it has a head for ({} for the cost policy)."""
+        if self.learned is None or inputs.hidden is None:
+            return {}
+        x = features(self.learned.cfg, inputs.hidden, inputs.entropy, inputs.top1, inputs.match, self.acceptance)
+        return self.learned.rates(x)
+
+
+_logged: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """A configuration warning once per process, not once per request."""
+    if message not in _logged:
+        _logged.add(message)
+        log.warning(message)

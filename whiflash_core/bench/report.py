@@ -127,7 +127,7 @@ def overall_rows(results: dict) -> tuple[list[str], list[list[str]]]:
         row = [s["method"], _f(s["decode_tps"]), _f(s["e2e_tps"]), _f(s["ratio_decode"], "{:.2f}x"),
                _f(s["ratio_e2e"], "{:.2f}x"), _f(s["acceptance_length"], "{:.2f}"),
                _f(ms.get("draft"), "{:.2f}"), _f(ms.get("verify"), "{:.2f}"), _f(ms.get("catch_up"), "{:.2f}"),
-               _f(ms.get("router"), "{:.2f}"), round_share(s.get("round_share")),
+               router_cell(ms), round_share(s.get("round_share")),
                _f(s["switches_per_prompt"], "{:.1f}") if s["method"] == "whiflash" else "-",
                _pct(s["identical_fraction"]) if s["method"] != BASELINE else "(ref)",
                _pct(s["prefix_agreement"]) if s["method"] != BASELINE else "(ref)"]
@@ -135,6 +135,16 @@ def overall_rows(results: dict) -> tuple[list[str], list[list[str]]]:
             row.append(_f(s.get("gateway_overhead_ms")))
         rows.append(row)
     return headers, rows
+
+
+def router_cell(ms: dict) -> str:
+    """"0.61 (1.5%)": the router's ms per round and its share of the round (router, catch-up,
+    draft, verify): what routing itself costs, the learned policy's MLP included."""
+    if ms.get("router") is None:
+        return "-"
+    total = sum(ms.get(k) or 0.0 for k in ("router", "catch_up", "draft", "verify"))
+    share = f" ({100 * ms['router'] / total:.1f}%)" if total > 0 else ""
+    return f"{ms['router']:.2f}{share}"
 
 
 def round_share(share: dict | None) -> str:

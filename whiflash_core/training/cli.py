@@ -1,4 +1,4 @@
-"""`whiflash train ...`: drafter training commands.
+"""`whiflash train ...`: drafter (and router) training commands.
 
 Each sub-subcommand lives in its own module exposing `add_parser(subparsers)`, which registers
 the command and sets `func`. Modules are imported only when `whiflash train` is used, and one
@@ -14,6 +14,7 @@ TRAIN_COMMANDS = {
     "distill": "whiflash_core.training.distill",
     "eagle3": "whiflash_core.training.eagle3",
     "dflash": "whiflash_core.training.dflash",
+    "router": "whiflash_core.training.router",
     "ship": "whiflash_core.training.ship",
 }
 
