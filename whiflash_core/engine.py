@@ -265,6 +265,17 @@ class Generation:
         self.cache.length = m
         if self.tap_layers:
             self.taps[:m] = entry.taps[:m]
+        # the drafters' caches over the prefix, as far as the prefix determines them
+        for name, (k, v) in entry.drafters.items():
+            state = self.states.get(name)
+            if state is None or state.cache is None:
+                continue
+            s = min(k.shape[2], m - self.router.drafters[name].cache_lookahead)
+            if s > 0:
+                state.cache.ensure(s)
+                state.cache.k[:, :, :s] = k[:, :, :s]
+                state.cache.v[:, :, :s] = v[:, :, :s]
+                state.n_seen = state.cache.length = s
         return m
 
     def _store_prefix(self) -> None:
@@ -272,8 +283,10 @@ class Generation:
         cache = self.engine.prefix_cache
         if cache.enabled:
             n = self.cache.length
+            drafters = {name: (state.cache.k, state.cache.v, state.n_seen) for name, state in self.states.items()
+                        if state.cache is not None and state.n_seen > 0}
             cache.store(self.request.cache_namespace, self.tap_layers, self.ids[:n], self.cache.k, self.cache.v,
-                        self.taps[:n] if self.tap_layers else None)
+                        self.taps[:n] if self.tap_layers else None, drafters)
 
     def step(self) -> Round | None:
         """One speculation round (None once finished)."""

@@ -25,6 +25,7 @@ from ..sampling import MIN_TEMPERATURE
 
 if TYPE_CHECKING:
     from ..config import SpeculationConfig
+    from ..target import KVCache
 
 
 @dataclass
@@ -69,6 +70,10 @@ class DrafterState:
     """Per-request drafter cache. `n_seen` = verified positions already in the cache."""
 
     n_seen: int = 0
+    # The drafter's K/V over verified positions 0..n_seen-1, for drafters that keep one (EAGLE-3,
+    # DFlash). The prefix cache stores it next to the target's, so a request that reuses a cached
+    # prefix starts with its drafters caught up on it instead of re-running the whole prompt.
+    cache: KVCache | None = None
 
 
 class Drafter(ABC):
@@ -79,6 +84,9 @@ class Drafter(ABC):
     max_draft_tokens: int = 1
     # tokens one proposal makes when the request does not say
     default_draft_len: int = 4
+    # tokens past a position that its `state.cache` entry depends on: EAGLE-3 pairs position t
+    # with token t + 1, so a reused prefix of m tokens determines its cache at positions < m - 1
+    cache_lookahead: int = 0
 
     def draft_len(self, spec: SpeculationConfig) -> int:
         """Tokens this drafter proposes per round: the request's num_draft_tokens, else its default."""

@@ -121,6 +121,7 @@ class Eagle3State(DrafterState):
 
 class Eagle3Drafter(Drafter, nn.Module):
     name = "eagle3"
+    cache_lookahead = 1   # position t's K/V reads the pair (g_t, token t+1)
 
     def __init__(self, cfg: Eagle3Config, embed_tokens: nn.Embedding | None = None):
         nn.Module.__init__(self)
