@@ -59,7 +59,7 @@ def test_a_failing_request_does_not_fail_the_others():
 
     def broken_plan():
         raise RuntimeError("boom")
-    gens[1].plan = broken_plan
+    gens[1].route_round = broken_plan
     results = eng.step_many(gens)
     assert isinstance(results[1], RuntimeError)
     assert results[0] is not None and results[2] is not None and not isinstance(results[0], Exception)
@@ -67,3 +67,91 @@ def test_a_failing_request_does_not_fail_the_others():
     while not gens[0].finished:
         eng.step_many([gens[0], gens[2]])
     assert gens[0].output == alone.output
+
+
+def test_a_drafter_failing_for_one_request_of_a_shared_draft_fails_only_its_draft():
+    """Requests that picked the same drafter draft together (propose_many); when that raises, each
+    drafts alone, so only the request whose draft fails falls back to plain decoding."""
+    eng = engine()
+    reqs = [GenerationRequest(r.prompt_ids, r.max_new_tokens, speculation=SpeculationConfig(method="eagle3"))
+            for r in requests()[:3]]
+    alone = [eng.generate(r) for r in reqs]
+    gens = [eng.start(r) for r in reqs]
+    for g in gens:
+        g.prefill()
+    drafter = eng.drafters["eagle3"]
+    broken = gens[1].states["eagle3"]
+    propose, propose_many = drafter.propose, drafter.propose_many
+
+    def failing_propose(state, *args):
+        if state is broken:
+            raise RuntimeError("boom")
+        return propose(state, *args)
+
+    def failing_propose_many(states, *args):
+        if any(state is broken for state in states):
+            raise RuntimeError("boom")
+        return propose_many(states, *args)
+    drafter.propose, drafter.propose_many = failing_propose, failing_propose_many
+    while not all(g.finished for g in gens):
+        results = eng.step_many([g for g in gens if not g.finished])
+        assert not any(isinstance(r, Exception) for r in results), results
+    assert [g.fallback_from for g in gens] == [None, "eagle3", None]
+    assert [g.output for g in gens] == [a.output for a in alone]
+    assert gens[0].stats()["drafters"] == alone[0].stats()["drafters"]
+
+
+def mixed_drafting_requests() -> list[GenerationRequest]:
+    """Requests that share drafters with different chain / block lengths, greedy and sampled."""
+    out = []
+    for i, (method, n, max_new, temperature, spec) in enumerate([
+            ("eagle3", 5, 30, 0.0, {"num_draft_tokens": 2}), ("eagle3", 23, 26, 0.8, {"num_draft_tokens": 4}),
+            ("eagle3", 40, 20, 0.0, {}), ("dflash", 60, 40, 0.0, {"block_size": 3}),
+            ("dflash", 14, 33, 0.7, {}), ("whiflash", 31, 28, 0.0, {}), ("whiflash", 47, 35, 0.9, {})]):
+        prompt = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(70 + i)).tolist()
+        sampling = SamplingParams(temperature=temperature, seed=11 + i)
+        out.append(GenerationRequest(prompt, max_new, sampling,
+                                     SpeculationConfig(method=method, entropy_threshold=3.0, **spec)))
+    return out
+
+
+def recording_drafts(gen):
+    """`gen` with every round's draft (the verified rows after the pending token) kept in gen.drafts."""
+    gen.drafts = []
+    finish = gen.finish_plan
+
+    def finish_and_record(plan):
+        finish(plan)
+        gen.drafts.append(plan.draft.tokens.tolist())
+    gen.finish_plan = finish_and_record
+    return gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_drafting_together_gives_each_request_its_own_drafts(dtype):
+    """EAGLE-3 chains and DFlash blocks of several requests run through their drafter together
+    (propose_many): each request's drafts, round by round, and so its tokens are those it gets alone."""
+    eng = engine(dtype)
+    alone = []
+    for r in mixed_drafting_requests():
+        gen = recording_drafts(eng.start(r))
+        gen.prefill()
+        while not gen.finished:
+            gen.step()
+        alone.append(gen)
+    sizes: dict[str, list[int]] = {"eagle3": [], "dflash": []}
+    for name in sizes:
+        def counted(states, *args, __many=eng.drafters[name].propose_many, __name=name):
+            sizes[__name].append(len(states))
+            return __many(states, *args)
+        eng.drafters[name].propose_many = counted
+    gens = [recording_drafts(eng.start(r)) for r in mixed_drafting_requests()]
+    for g in gens:
+        g.prefill()
+    while not all(g.finished for g in gens):
+        results = eng.step_many([g for g in gens if not g.finished])
+        assert not any(isinstance(r, Exception) for r in results), results
+    assert max(sizes["eagle3"]) >= 3 and max(sizes["dflash"]) >= 2, sizes
+    for a, g in zip(alone, gens):
+        assert g.drafts == a.drafts, g.spec
+        assert g.output == a.output, g.spec

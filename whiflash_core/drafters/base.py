@@ -102,6 +102,13 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, state: DrafterState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft: ...
 
+    def propose_many(self, states: list[DrafterState], ctxs: list[Context], num_tokens: list[int],
+                     samplings: list[DraftSampling]) -> list[Draft]:
+        """`propose` for several requests (the server's requests that picked this drafter in one
+        pass). Drafters with weights override it to run the requests' rows through their weights
+        together; each request's draft must be the one `propose` alone would make."""
+        return [self.propose(*args) for args in zip(states, ctxs, num_tokens, samplings)]
+
 
 def pick_tokens(logits: torch.Tensor, sampling: DraftSampling, d2t: torch.Tensor | None,
                 vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -121,6 +128,21 @@ def pick_tokens(logits: torch.Tensor, sampling: DraftSampling, d2t: torch.Tensor
     cols = _to_target(torch.arange(probs.shape[1], device=probs.device), d2t)
     full[:, cols] = probs
     return _to_target(idx, d2t), full
+
+
+def pick_tokens_many(logits: torch.Tensor, counts: list[int], samplings: list[DraftSampling],
+                     d2t: torch.Tensor | None, vocab_size: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`pick_tokens` for several requests' rows at once: logits [sum(counts), draft_vocab], request i's
+    rows next in order. The greedy requests share one argmax; each sampled one draws with its own
+    generator (in request order, as each would alone)."""
+    greedy = logits.float().argmax(-1) if any(s.greedy for s in samplings) else None
+    out, row = [], 0
+    for count, sampling in zip(counts, samplings):
+        rows = slice(row, row + count)
+        out.append((_to_target(greedy[rows], d2t), None) if sampling.greedy
+                   else pick_tokens(logits[rows], sampling, d2t, vocab_size))
+        row += count
+    return out
 
 
 def _to_target(idx: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:
