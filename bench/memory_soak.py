@@ -15,7 +15,7 @@ bytes, and the difference (what grows besides the cache's budget: per-request bu
 copies, allocator fragmentation); at the end the same after returning free heap to the OS
 (malloc_trim, as the server does when idle). `--avx2-formats` imposes the formats `--weights auto`
 picks on an AVX2 CPU (int4 decode, float32 prefill twin from 64 rows), so the twin's path runs
-here too.
+here too. Like the server, it fixes glibc's mmap threshold first (`--glibc-default-heap`: not).
 """
 from __future__ import annotations
 
@@ -90,15 +90,16 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--avx2-formats", action="store_true")
     ap.add_argument("--every", type=int, default=25)
-    ap.add_argument("--mmap-threshold-mb", type=float, default=None,
-                    help="glibc: serve allocations from this size on by mmap (an experiment; default: glibc's)")
+    ap.add_argument("--glibc-default-heap", action="store_true",
+                    help="leave glibc's mmap threshold alone (the server fixes it at start: "
+                         "app.scheduler.keep_large_buffers_off_the_heap, where that exists)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    if args.mmap_threshold_mb is not None:
-        import ctypes
-        M_MMAP_THRESHOLD = -3
-        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(args.mmap_threshold_mb * 2**20))
+    import app.scheduler
+    keep_off_heap = getattr(app.scheduler, "keep_large_buffers_off_the_heap", None)
+    if keep_off_heap is not None and not args.glibc_default_heap:
+        keep_off_heap()   # as the server's scheduler does when it starts
     from whiflash_core import loading
     from whiflash_core.machine import Formats
     if args.avx2_formats:   # what --weights auto picks on an AVX2 CPU, imposed
