@@ -129,8 +129,9 @@ def recording_drafts(gen):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_drafting_together_gives_each_request_its_own_drafts(dtype):
-    """EAGLE-3 chains and DFlash blocks of several requests run through their drafter together
-    (propose_many): each request's drafts, round by round, and so its tokens are those it gets alone."""
+    """EAGLE-3 chains and DFlash blocks of several requests, and their catch-ups, run through their
+    drafter together (catch_up_many, propose_many): each request's drafts, round by round, and so
+    its tokens are those it gets alone."""
     eng = engine(dtype)
     alone = []
     for r in mixed_drafting_requests():
@@ -139,19 +140,46 @@ def test_drafting_together_gives_each_request_its_own_drafts(dtype):
         while not gen.finished:
             gen.step()
         alone.append(gen)
-    sizes: dict[str, list[int]] = {"eagle3": [], "dflash": []}
-    for name in sizes:
-        def counted(states, *args, __many=eng.drafters[name].propose_many, __name=name):
-            sizes[__name].append(len(states))
-            return __many(states, *args)
-        eng.drafters[name].propose_many = counted
+    sizes: dict[tuple[str, str], list[int]] = {}
+    for name in ("eagle3", "dflash"):
+        for call in ("catch_up_many", "propose_many"):
+            def counted(states, *args, __many=getattr(eng.drafters[name], call), __key=(name, call)):
+                sizes.setdefault(__key, []).append(sum(s.n_seen < c.n for s, c in zip(states, args[0]))
+                                                   if __key[1] == "catch_up_many" else len(states))
+                return __many(states, *args)
+            setattr(eng.drafters[name], call, counted)
     gens = [recording_drafts(eng.start(r)) for r in mixed_drafting_requests()]
     for g in gens:
         g.prefill()
     while not all(g.finished for g in gens):
         results = eng.step_many([g for g in gens if not g.finished])
         assert not any(isinstance(r, Exception) for r in results), results
-    assert max(sizes["eagle3"]) >= 3 and max(sizes["dflash"]) >= 2, sizes
+    # chains, blocks and catch-ups of several requests did run together (catch-ups: requests with
+    # positions to catch up on)
+    assert all(max(sizes[(name, call)]) >= 2 for name in ("eagle3", "dflash")
+               for call in ("catch_up_many", "propose_many")), sizes
     for a, g in zip(alone, gens):
         assert g.drafts == a.drafts, g.spec
         assert g.output == a.output, g.spec
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_catching_up_together_writes_each_cache_as_catching_up_alone(name):
+    """catch_up_many: every request's drafter cache gets the K/V its own catch_up would write
+    (float64: the same values), whatever the other requests' backlogs."""
+    eng = engine()
+    drafter = eng.drafters[name]
+    gens = [eng.start(r) for r in requests() if r.speculation.method in ("whiflash", "eagle3", "dflash")]
+    for g in gens:
+        g.prefill()
+    together = [drafter.new_state(g.cache.length + 8) for g in gens]
+    alone = [drafter.new_state(g.cache.length + 8) for g in gens]
+    for i, g in enumerate(gens):   # a few positions already seen, a different number per request
+        together[i].n_seen = alone[i].n_seen = together[i].cache.length = alone[i].cache.length = i
+    drafter.catch_up_many(together, [g._context() for g in gens])
+    for state, g in zip(alone, gens):
+        drafter.catch_up(state, g._context())
+    for a, b in zip(together, alone):
+        assert a.n_seen == b.n_seen
+        assert torch.allclose(a.cache.k[:, :, :a.n_seen], b.cache.k[:, :, :b.n_seen], rtol=0, atol=1e-12)
+        assert torch.allclose(a.cache.v[:, :, :a.n_seen], b.cache.v[:, :, :b.n_seen], rtol=0, atol=1e-12)

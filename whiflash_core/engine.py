@@ -152,18 +152,17 @@ class Engine:
         return results
 
     def plan_many(self, gens: list[Generation]) -> tuple[list, list[tuple[int, Generation, RoundPlan]]]:
-        """`Generation.plan` for several requests: each routes and catches up on its own, then each
-        drafter proposes for all the requests that picked it at once (`Drafter.propose_many`: one
-        pass of its weights per chain step or block for all of them). Returns (results, planned):
-        results[i] is the exception that ended request i's planning (else None: finished, or
-        planned), planned the (i, generation, plan) of those with a round to verify."""
+        """`Generation.plan` for several requests: each routes on its own, then each drafter
+        catches up and proposes for all the requests that picked it at once
+        (`Drafter.catch_up_many`, `Drafter.propose_many`: one pass of its weights per catch-up,
+        chain step or block for all of them). Returns (results, planned): results[i] is the
+        exception that ended request i's planning (else None: finished, or planned), planned the
+        (i, generation, plan) of those with a round to verify."""
         results: list[Round | None | Exception] = [None] * len(gens)
         routed: list[tuple[int, Generation, RoundPlan]] = []
         for i, gen in enumerate(gens):
             try:
                 plan = gen.route_round()
-                if plan is not None and plan.route.drafter is not None:
-                    gen._catch_up_round(plan)
             except Exception as exc:
                 results[i] = exc
                 continue
@@ -171,10 +170,11 @@ class Engine:
                 routed.append((i, gen, plan))
         by_drafter: dict[str, list[tuple[Generation, RoundPlan]]] = {}
         for _, gen, plan in routed:
-            if plan.route.drafter is not None and plan.k > 0 and plan.failed is None:
+            if plan.route.drafter is not None:
                 by_drafter.setdefault(plan.route.drafter, []).append((gen, plan))
         for name, group in by_drafter.items():
-            self._propose_together(name, group)
+            self._catch_up_together(name, group)
+            self._propose_together(name, [(gen, plan) for gen, plan in group if plan.k > 0 and plan.failed is None])
         planned = []
         for i, gen, plan in routed:
             try:
@@ -185,13 +185,30 @@ class Engine:
             planned.append((i, gen, plan))
         return results, planned
 
+    def _catch_up_together(self, name: str, group: list[tuple[Generation, RoundPlan]]) -> None:
+        """Drafter `name` catches up for every request of `group` in one call (each charged an equal
+        share); if that raises, each request catches up alone (its failure is its own)."""
+        if len(group) > 1:
+            t0 = time.perf_counter()
+            try:
+                self.drafters[name].catch_up_many([gen.states[name] for gen, _ in group],
+                                                  [gen._context() for gen, _ in group])
+                share = (time.perf_counter() - t0) / len(group)
+                for _, plan in group:
+                    plan.clock.charge("catch_up", share)
+                return
+            except Exception:
+                pass
+        for gen, plan in group:
+            gen._catch_up_round(plan)
+
     def _propose_together(self, name: str, group: list[tuple[Generation, RoundPlan]]) -> None:
         """Drafter `name` drafts for every request of `group` in one call, each request charged an
         equal share of its time. If it raises, each request drafts alone, so only the request whose
         draft fails falls back to plain decoding."""
-        if len(group) == 1:
-            gen, plan = group[0]
-            gen._draft_round(plan)
+        if len(group) <= 1:
+            for gen, plan in group:
+                gen._draft_round(plan)
             return
         t0 = time.perf_counter()
         try:
@@ -375,11 +392,12 @@ class Generation:
     def _catch_up_round(self, plan: RoundPlan) -> None:
         """The round's drafter catches up on verified context it has not seen (lazily: only the
         drafter chosen this round, so an idle one's backlog is processed in one batched pass)."""
+        t0 = time.perf_counter()
         try:
             self._catch_up(plan.route.drafter, self._context())
         except Exception as exc:
             self._drafter_failed(plan, exc)
-        plan.clock.lap("catch_up")
+        plan.clock.charge("catch_up", time.perf_counter() - t0)
 
     def _draft_round(self, plan: RoundPlan) -> None:
         """This request's draft d1..dk alone (with its proposal distributions q [k, V] when sampling)."""

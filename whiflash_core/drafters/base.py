@@ -102,6 +102,12 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, state: DrafterState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft: ...
 
+    def catch_up_many(self, states: list[DrafterState], ctxs: list[Context]) -> None:
+        """`catch_up` for several requests; drafters with weights override it to run all the
+        requests' unseen positions through their weights together."""
+        for state, ctx in zip(states, ctxs):
+            self.catch_up(state, ctx)
+
     def propose_many(self, states: list[DrafterState], ctxs: list[Context], num_tokens: list[int],
                      samplings: list[DraftSampling]) -> list[Draft]:
         """`propose` for several requests (the server's requests that picked this drafter in one

@@ -178,6 +178,27 @@ class DFlashDrafter(Drafter, nn.Module):
         cache.length = n
         state.n_seen = n
 
+    @torch.inference_mode()
+    def catch_up_many(self, states: list[DFlashState], ctxs: list[Context]) -> None:
+        """`catch_up` for several requests: the unseen positions of all of them through `fc` and
+        every layer's k/v projections at once, written to each cache."""
+        spans = [(state, ctx, state.n_seen, ctx.n) for state, ctx in zip(states, ctxs) if state.n_seen < ctx.n]
+        if len(spans) < 2:
+            return super().catch_up_many(states, ctxs)
+        taps = torch.cat([ctx.features(self.tap_layers, a, b) for _, ctx, a, b in spans])
+        hidden = self.hidden_norm(self.fc(taps.reshape(taps.shape[0], -1)))
+        cos, sin = self.rotary.tables(torch.cat([torch.arange(a, b) for _, _, a, b in spans]), hidden.dtype,
+                                      hidden.device)
+        kvs = [layer.kv(hidden, cos, sin) for layer in self.layers]   # per layer ([nkv, t, hd], [nkv, t, hd])
+        row = 0
+        for state, _, a, b in spans:
+            state.cache.ensure(b)
+            for i, (k, v) in enumerate(kvs):
+                state.cache.k[i][:, a:b] = k[:, row:row + b - a]
+                state.cache.v[i][:, a:b] = v[:, row:row + b - a]
+            state.n_seen = state.cache.length = b
+            row += b - a
+
     # -- block drafting ---------------------------------------------------------------------
 
     def block_hidden(self, block_ids: torch.Tensor, start: int, ctx_kv) -> torch.Tensor:

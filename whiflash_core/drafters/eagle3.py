@@ -224,6 +224,29 @@ class Eagle3Drafter(Drafter, nn.Module):
         state.n_seen = state.cache.length = end
 
     @torch.inference_mode()
+    def catch_up_many(self, states: list[Eagle3State], ctxs: list[Context]) -> None:
+        """`catch_up` for several requests: the unseen pairs of all of them through `fc` and the
+        k/v projections at once (all a one-layer drafter needs from them), written to each cache."""
+        spans = [(state, ctx, state.n_seen, ctx.n - 1) for state, ctx in zip(states, ctxs) if state.n_seen < ctx.n - 1]
+        if len(self.layers) > 1 or len(spans) < 2:   # deeper drafters run full layers on caught-up rows
+            return super().catch_up_many(states, ctxs)
+        g = self.fuse(torch.cat([ctx.features(self.tap_layers, a, b) for _, ctx, a, b in spans]))
+        emb = self.embed_tokens(torch.cat([ctx.ids[a + 1:b + 1] for _, ctx, a, b in spans]))
+        cos, sin = self.rotary.tables(torch.cat([torch.arange(a, b) for _, _, a, b in spans]), emb.dtype, emb.device)
+        layer = self.layers[0]
+        attn, t = layer.self_attn, emb.shape[0]
+        x, _ = layer.inputs(emb, g)
+        k = apply_rope(attn.k_proj(x).view(t, attn.nkv, attn.hd).transpose(0, 1), cos, sin)   # [nkv, t, hd]
+        v = attn.v_proj(x).view(t, attn.nkv, attn.hd).transpose(0, 1)
+        row = 0
+        for state, _, a, b in spans:
+            state.cache.ensure(b)
+            state.cache.k[0][:, a:b] = k[:, row:row + b - a]
+            state.cache.v[0][:, a:b] = v[:, row:row + b - a]
+            state.n_seen = state.cache.length = b
+            row += b - a
+
+    @torch.inference_mode()
     def propose(self, state: Eagle3State, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
         return self.propose_many([state], [ctx], [num_tokens], [sampling])[0]
 
