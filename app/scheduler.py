@@ -27,7 +27,7 @@ from whiflash_core.logits import TokenLogprob
 
 from .errors import APIError, bad_request, engine_unavailable, internal_error, overloaded
 from .events import EventBus
-from .memory import release_free_memory
+from .memory import keep_large_buffers_off_the_heap, release_free_memory
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -138,6 +138,7 @@ class Scheduler:
 
     def start(self) -> None:
         if self._thread is None:
+            keep_large_buffers_off_the_heap()
             self._stopping = False
             self._thread = threading.Thread(target=self._run, name="whiflash-engine", daemon=True)
             self._thread.start()

@@ -10,7 +10,6 @@ Responses serialize like vLLM's: optional delta fields that are unset are omitte
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 from typing import Annotated, Any, ClassVar, Literal, get_type_hints
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_serializer

@@ -25,7 +25,6 @@ The session `live_server` serves the row-by-row replays; the faults that need a 
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import threading

@@ -144,3 +144,16 @@ def test_light_formats_run_with_float32_activations(weights):
     assert y.dtype == torch.float32
     ref = x @ w.T
     torch.testing.assert_close(y, ref, rtol=0.02, atol=0.02 * float(ref.abs().max()))
+
+
+def test_int8_drafters_keep_off_dense_weights_where_dense_gemms_are_slow():
+    """The drafters of a light target switch to their dense weights for many rows only where the
+    machine found dense GEMMs fast in their dtype: not where it prefills through a float32 twin."""
+    from whiflash_core.loading import drafter_dense_from_rows
+    from whiflash_core.quant import DENSE_FROM_ROWS
+
+    emulated = choose(table(bf16_ms_per_row=20, f32_ms_per_row=1), CANDIDATES)
+    native = choose(table(bf16_ms_per_row=0.5, f32_ms_per_row=1), CANDIDATES)
+    assert emulated.prefill_dtype == "float32" and native.prefill_dtype == "bfloat16"
+    assert drafter_dense_from_rows(emulated) == 10**9
+    assert drafter_dense_from_rows(native) == drafter_dense_from_rows(None) == DENSE_FROM_ROWS

@@ -141,3 +141,32 @@ def test_a_plain_decode_request_reuses_a_prefix_stored_by_a_drafting_one():
     eng.generate(GenerationRequest(prompt, 10, speculation=SpeculationConfig(method="whiflash")))
     gen = eng.generate(GenerationRequest(prompt, 10, speculation=SpeculationConfig(method="none")))
     assert gen.cached_tokens == 96
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("method", ["eagle3", "dflash"])
+def test_a_reused_prefix_brings_the_drafters_caught_up_on_it(method):
+    """The drafters' caches are stored with the target's: a request that reuses a prefix starts with
+    its drafter's K/V over it (as far as the prefix determines them: EAGLE-3 pairs position t with
+    token t + 1, so it gets one position less), equal to what catching up from scratch computes."""
+    eng = engine(10**8)
+    spec = SpeculationConfig(method=method)
+    first = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(7)).tolist()
+    eng.generate(GenerationRequest(first, 20, speculation=spec))
+    # the new prompt leaves the stored sequence right after the second block, so the token after
+    # the reused prefix differs from the one the stored drafter cache was computed with
+    prompt = first[:2 * BLOCK] + [(t + 1) % VOCAB for t in first[2 * BLOCK:2 * BLOCK + 10]]
+    gen = eng.start(GenerationRequest(prompt, 20, speculation=spec))
+    gen.prefill()
+    assert gen.cached_tokens == 2 * BLOCK
+    state = gen.states[method]
+    reused = 2 * BLOCK - (1 if method == "eagle3" else 0)
+    assert state.n_seen == reused
+    fresh = eng.drafters[method].new_state(len(prompt) + 8)
+    eng.drafters[method].catch_up(fresh, gen._context())
+    assert torch.allclose(state.cache.k[:, :, :reused], fresh.cache.k[:, :, :reused], rtol=0, atol=1e-12)
+    assert torch.allclose(state.cache.v[:, :, :reused], fresh.cache.v[:, :, :reused], rtol=0, atol=1e-12)
+    while not gen.finished:
+        gen.step()
+    off = engine(0).generate(GenerationRequest(prompt, 20, speculation=spec))
+    assert gen.output == off.output

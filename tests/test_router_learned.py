@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from tiny import VOCAB, tiny_dflash, tiny_engine, tiny_target
+from tiny import VOCAB, tiny_engine
 from whiflash_core import router as router_module
 from whiflash_core.acceptance import AcceptanceModel
 from whiflash_core.drafters.base import Context, Draft, Drafter, DrafterState

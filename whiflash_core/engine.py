@@ -72,14 +72,16 @@ class GenerationRequest:
 
 @dataclass
 class RoundPlan:
-    """A round between drafting and verification (Generation.plan -> target forward -> commit)."""
+    """A round up to its verification (Generation.plan -> target forward -> commit). Built in three
+    steps: routed (n, route, k), drafted (draft, failed), finished (masks, rows)."""
     n: int                       # verified positions before the round
     route: Route
-    draft: Draft
-    masks: torch.Tensor | None   # grammar masks [m, V] for the verify rows
+    k: int                       # draft length asked for (the route's, capped by max_tokens and the context)
     clock: _Clock
-    failed: str | None           # the drafter that raised this round, if any
-    rows: torch.Tensor           # [k + 1] token ids to verify: pending, d1..dk
+    draft: Draft | None = None
+    failed: str | None = None    # the drafter that raised this round, if any
+    masks: torch.Tensor | None = None   # grammar masks [m, V] for the verify rows
+    rows: torch.Tensor | None = None    # [k' + 1] token ids to verify: pending, d1..dk'
 
 
 class Engine:
@@ -122,23 +124,15 @@ class Engine:
     def step_many(self, gens: list[Generation]) -> list[Round | None | Exception]:
         """One round of each generation, with one target forward shared by all of them.
 
-        Each request plans its round on its own (routes, catches up, drafts); their verify rows
+        The requests plan their rounds together (`plan_many`: each routes on its own, then each
+        drafter drafts for all the requests that picked it in one pass); their verify rows
         [pending, d1..dk] then go through the target together: the linears (where the weights are
         read, most of a CPU forward's cost) see all rows at once, attention stays per request (its
         own cache and positions). Each request then accepts and rolls back on its own, so its tokens
         do not depend on what it was batched with (float32: the same as stepping it alone,
         tests/test_shared_forward.py). Returns, per generation, its Round, None once finished, or the
         exception that ended its round: one request's failure is its own."""
-        results: list[Round | None | Exception] = [None] * len(gens)
-        planned = []
-        for i, gen in enumerate(gens):
-            try:
-                plan = gen.plan()
-            except Exception as exc:
-                results[i] = exc
-                continue
-            if plan is not None:
-                planned.append((i, gen, plan))
+        results, planned = self.plan_many(gens)
         if not planned:
             return results
         taps = self.tap_layers if any(gen.tap_layers for _, gen, _ in planned) else ()
@@ -160,6 +154,79 @@ class Engine:
             except Exception as exc:
                 results[i] = exc
         return results
+
+    def plan_many(self, gens: list[Generation]) -> tuple[list, list[tuple[int, Generation, RoundPlan]]]:
+        """`Generation.plan` for several requests: each routes on its own, then each drafter
+        catches up and proposes for all the requests that picked it at once
+        (`Drafter.catch_up_many`, `Drafter.propose_many`: one pass of its weights per catch-up,
+        chain step or block for all of them). Returns (results, planned): results[i] is the
+        exception that ended request i's planning (else None: finished, or planned), planned the
+        (i, generation, plan) of those with a round to verify."""
+        results: list[Round | None | Exception] = [None] * len(gens)
+        routed: list[tuple[int, Generation, RoundPlan]] = []
+        for i, gen in enumerate(gens):
+            try:
+                plan = gen.route_round()
+            except Exception as exc:
+                results[i] = exc
+                continue
+            if plan is not None:
+                routed.append((i, gen, plan))
+        by_drafter: dict[str, list[tuple[Generation, RoundPlan]]] = {}
+        for _, gen, plan in routed:
+            if plan.route.drafter is not None:
+                by_drafter.setdefault(plan.route.drafter, []).append((gen, plan))
+        for name, group in by_drafter.items():
+            self._catch_up_together(name, group)
+            self._propose_together(name, [(gen, plan) for gen, plan in group if plan.k > 0 and plan.failed is None])
+        planned = []
+        for i, gen, plan in routed:
+            try:
+                gen.finish_plan(plan)
+            except Exception as exc:
+                results[i] = exc
+                continue
+            planned.append((i, gen, plan))
+        return results, planned
+
+    def _catch_up_together(self, name: str, group: list[tuple[Generation, RoundPlan]]) -> None:
+        """Drafter `name` catches up for every request of `group` in one call (each charged an equal
+        share); if that raises, each request catches up alone (its failure is its own)."""
+        if len(group) > 1:
+            t0 = time.perf_counter()
+            try:
+                self.drafters[name].catch_up_many([gen.states[name] for gen, _ in group],
+                                                  [gen._context() for gen, _ in group])
+                share = (time.perf_counter() - t0) / len(group)
+                for _, plan in group:
+                    plan.clock.charge("catch_up", share)
+                return
+            except Exception:
+                pass
+        for gen, plan in group:
+            gen._catch_up_round(plan)
+
+    def _propose_together(self, name: str, group: list[tuple[Generation, RoundPlan]]) -> None:
+        """Drafter `name` drafts for every request of `group` in one call, each request charged an
+        equal share of its time. If it raises, each request drafts alone, so only the request whose
+        draft fails falls back to plain decoding."""
+        if len(group) <= 1:
+            for gen, plan in group:
+                gen._draft_round(plan)
+            return
+        t0 = time.perf_counter()
+        try:
+            drafts = self.drafters[name].propose_many(
+                [gen.states[name] for gen, _ in group], [gen._context() for gen, _ in group],
+                [plan.k for _, plan in group], [gen.draft_sampling for gen, _ in group])
+        except Exception:
+            for gen, plan in group:
+                gen._draft_round(plan)
+            return
+        share = (time.perf_counter() - t0) / len(group)
+        for (gen, plan), draft in zip(group, drafts):
+            plan.draft = draft
+            plan.clock.charge("draft", share)
 
     def generate(self, request: GenerationRequest) -> Generation:
         gen = self.start(request)
@@ -271,6 +338,17 @@ class Generation:
         self.cache.length = m
         if self.tap_layers:
             self.taps[:m] = entry.taps[:m]
+        # the drafters' caches over the prefix, as far as the prefix determines them
+        for name, (k, v) in entry.drafters.items():
+            state = self.states.get(name)
+            if state is None or state.cache is None:
+                continue
+            s = min(k.shape[2], m - self.router.drafters[name].cache_lookahead)
+            if s > 0:
+                state.cache.ensure(s)
+                state.cache.k[:, :, :s] = k[:, :, :s]
+                state.cache.v[:, :, :s] = v[:, :, :s]
+                state.n_seen = state.cache.length = s
         return m
 
     def _store_prefix(self) -> None:
@@ -278,8 +356,10 @@ class Generation:
         cache = self.engine.prefix_cache
         if cache.enabled:
             n = self.cache.length
+            drafters = {name: (state.cache.k, state.cache.v, state.n_seen) for name, state in self.states.items()
+                        if state.cache is not None and state.n_seen > 0}
             cache.store(self.request.cache_namespace, self.tap_layers, self.ids[:n], self.cache.k, self.cache.v,
-                        self.taps[:n] if self.tap_layers else None)
+                        self.taps[:n] if self.tap_layers else None, drafters)
 
     def step(self) -> Round | None:
         """One speculation round (None once finished)."""
@@ -291,34 +371,68 @@ class Generation:
     def plan(self) -> RoundPlan | None:
         """The first half of a round, up to the verify forward: route and draft. Returns the rows
         the target must verify ([pending, d1..dk]), or None once finished. `step()` runs the forward
-        for this request alone; `Engine.step_many` runs one forward for several requests' plans."""
+        for this request alone; `Engine.step_many` plans several requests' rounds together
+        (`Engine.plan_many`) and runs one forward for all of them."""
+        plan = self.route_round()
+        if plan is None:
+            return None
+        if plan.route.drafter is not None:
+            self._catch_up_round(plan)
+            self._draft_round(plan)
+        self.finish_plan(plan)
+        return plan
+
+    def route_round(self) -> RoundPlan | None:
+        """A round's first step: the router picks this round's drafter and draft length k (never
+        past max_tokens or the context). None once finished."""
         if self.finished:
             return None
         n = self.cache.length  # ids[:n] verified (K/V cached), ids[n] = pending token the target chose
         self._ensure_capacity(n + self.router.longest_draft + 2)
         clock = _Clock()
-        # route: the router picks this round's drafter and draft length k (never past max_tokens or the context)
         limit = min(self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
         route = self.router.route(self.states, self._context(), self.last_logits, limit, self.last_hidden)
-        k = min(route.draft_len, limit)
         clock.lap("router")
-        # propose: draft d1..dk (with their proposal distributions q [k, V] when sampling)
-        failed = None
+        return RoundPlan(n, route, min(route.draft_len, limit), clock)
+
+    def _catch_up_round(self, plan: RoundPlan) -> None:
+        """The round's drafter catches up on verified context it has not seen (lazily: only the
+        drafter chosen this round, so an idle one's backlog is processed in one batched pass)."""
+        t0 = time.perf_counter()
         try:
-            draft = self._propose(route.drafter, k, clock)
+            self._catch_up(plan.route.drafter, self._context())
         except Exception as exc:
-            if route.drafter is None:
-                raise
-            # a draft is only a proposal: without it this round (and the rest) is plain decoding,
-            # still the target's own tokens, so the request goes on instead of failing
-            failed = route.drafter
-            self._fall_back(failed, exc)
-            route, draft = Route(None), Draft(self.ids[:0])
-        # a grammar constraint cuts the draft before the first token it forbids
+            self._drafter_failed(plan, exc)
+        plan.clock.charge("catch_up", time.perf_counter() - t0)
+
+    def _draft_round(self, plan: RoundPlan) -> None:
+        """This request's draft d1..dk alone (with its proposal distributions q [k, V] when sampling)."""
+        if plan.failed is not None or plan.route.drafter is None or plan.k <= 0:
+            return
+        name, t0 = plan.route.drafter, time.perf_counter()
+        try:
+            plan.draft = self.router.drafters[name].propose(self.states[name], self._context(), plan.k,
+                                                             self.draft_sampling)
+        except Exception as exc:
+            self._drafter_failed(plan, exc)
+        plan.clock.charge("draft", time.perf_counter() - t0)
+
+    def _drafter_failed(self, plan: RoundPlan, exc: Exception) -> None:
+        # a draft is only a proposal: without it this round (and the rest) is plain decoding,
+        # still the target's own tokens, so the request goes on instead of failing
+        plan.failed = plan.route.drafter
+        self._fall_back(plan.failed, exc)
+        plan.route, plan.draft = Route(None), None
+
+    def finish_plan(self, plan: RoundPlan) -> None:
+        """The round's last step before verification: a grammar constraint cuts the draft before the
+        first token it forbids; the rows to verify are [pending, d1..dk]."""
+        draft = plan.draft if plan.draft is not None else Draft(self.ids[:0])
         masks = self.request.constraint.masks(draft.tokens.tolist()) if self.request.constraint else None
         if masks is not None:
             draft = Draft(draft.tokens[: masks.shape[0] - 1], draft.probs)
-        return RoundPlan(n, route, draft, masks, clock, failed, torch.cat([self.ids[n:n + 1], draft.tokens]))
+        plan.draft, plan.masks = draft, masks
+        plan.rows = torch.cat([self.ids[plan.n:plan.n + 1], draft.tokens])
 
     def commit(self, plan: RoundPlan, out) -> Round:
         """The second half of a round, given the target's forward over `plan.rows` (this request's
@@ -354,19 +468,6 @@ class Generation:
                     drafter, type(exc).__name__, exc, exc_info=exc)
         self.fallback_from = drafter
         self.router = Router(self.engine.drafters, replace(self.spec, method="none"), threshold=0.0)
-
-    def _propose(self, name: str | None, k: int, clock: _Clock) -> Draft:
-        """The drafter catches up on verified context it has not seen (lazily: only the drafter
-        chosen this round, so an idle one's backlog is processed in one batched pass), then drafts."""
-        if name is None:
-            return Draft(self.ids[:0])
-        ctx = self._context()
-        self._catch_up(name, ctx)
-        clock.lap("catch_up")
-        draft = Draft(self.ids[:0]) if k <= 0 else self.router.drafters[name].propose(
-            self.states[name], ctx, k, self.draft_sampling)
-        clock.lap("draft")
-        return draft
 
     def _catch_up(self, name: str, ctx: Context) -> None:
         self.router.drafters[name].catch_up(self.states[name], ctx)
@@ -495,3 +596,9 @@ class _Clock:
         now = time.perf_counter()
         setattr(self.times, phase, getattr(self.times, phase) + now - self.last)
         self.last = now
+
+    def charge(self, phase: str, seconds: float) -> None:
+        """Charge `seconds` (this request's share of work done for several) to `phase`; the next
+        lap starts now."""
+        setattr(self.times, phase, getattr(self.times, phase) + seconds)
+        self.last = time.perf_counter()

@@ -10,7 +10,9 @@ the shared prefix; so do we, with the scheme of vLLM's automatic prefix caching:
               (tenant) and the tapped layers, so one dict lookup per block walks the longest cached
               prefix, and one tenant's prefix can never be found by another
     entry     the K/V (and tapped hidden states, which the drafters catch up from) of one stored
-              sequence, positions 0..n-1, copied out of the request's cache
+              sequence, positions 0..n-1, copied out of the request's cache, and the K/V the
+              request's drafters had built over it (EAGLE-3's and DFlash's caches), so a request
+              that reuses the prefix starts with its drafters caught up on it too
     lookup    walk the new prompt's block keys while they hit; the entry of the deepest hit holds
               the whole matched prefix (entries always start at position 0); its ids are compared
               to the prompt's, so a hash collision can only cost a miss, never a wrong answer
@@ -43,8 +45,15 @@ class Entry:
     k: torch.Tensor              # [layers, kv_heads, n, head_dim]
     v: torch.Tensor
     taps: torch.Tensor | None    # [n, n_taps, hidden], or None when the request tapped no layers
+    # drafter name -> its (k, v) over positions 0..s-1, s <= n (s: how far that drafter had caught up)
+    drafters: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     keys: list[int] = field(default_factory=list)   # block keys that point at this entry
     nbytes: int = 0
+
+    def measure(self) -> int:
+        tensors = [self.ids, self.k, self.v, self.taps, *(t for kv in self.drafters.values() for t in kv)]
+        self.nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return self.nbytes
 
     @property
     def length(self) -> int:
@@ -120,23 +129,32 @@ class PrefixCache:
         return hit
 
     def store(self, namespace: str, taps: tuple[int, ...], ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              tap_states: torch.Tensor | None) -> None:
-        """Keep positions 0..n-1 (whole blocks) of a sequence: ids [n'], k/v [layers, kv_heads, >=n', head_dim]."""
+              tap_states: torch.Tensor | None,
+              drafters: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> None:
+        """Keep positions 0..n-1 (whole blocks) of a sequence: ids [n'], k/v [layers, kv_heads, >=n', head_dim];
+        `drafters`: name -> (k, v, s), a drafter's cache, valid at positions < s."""
         n = (ids.shape[0] // self.block) * self.block
         if not self.enabled or n == 0:
             return
         id_list = ids[:n].tolist()
         keys = list(self._keys(namespace, taps, id_list, n // self.block))
+        drafter_kv = {name: (dk[:, :, :min(s, n)].clone(), dv[:, :, :min(s, n)].clone())
+                      for name, (dk, dv, s) in (drafters or {}).items() if s > 0}
         with self._lock:
             last = self._by_key.get(keys[-1])
             if last is not None and torch.equal(last.ids[:n], ids[:n]):
-                self._entries.move_to_end(id(last))   # already cached (an earlier turn or request)
+                # already cached (an earlier turn or request): keep whichever drafter caches reach further
+                for name, kv in drafter_kv.items():
+                    if name not in last.drafters or last.drafters[name][0].shape[2] < kv[0].shape[2]:
+                        last.drafters[name] = kv
+                before = last.nbytes
+                self.stats.stored_bytes += last.measure() - before
+                self._entries.move_to_end(id(last))
+                self._evict()
                 return
         entry = Entry(ids[:n].clone(), k[:, :, :n].clone(), v[:, :, :n].clone(),
-                      None if tap_states is None else tap_states[:n].clone())
-        entry.nbytes = sum(t.numel() * t.element_size() for t in (entry.ids, entry.k, entry.v, entry.taps)
-                           if t is not None)
-        if entry.nbytes > self.budget:
+                      None if tap_states is None else tap_states[:n].clone(), drafter_kv)
+        if entry.measure() > self.budget:
             return
         with self._lock:
             for key in keys:
@@ -150,9 +168,13 @@ class PrefixCache:
             self._entries[id(entry)] = entry
             self.stats.stored_bytes += entry.nbytes
             self.stats.entries += 1
-            while self.stats.stored_bytes > self.budget:
-                self._drop(next(iter(self._entries.values())))
-                self.stats.evictions += 1
+            self._evict()
+
+    def _evict(self) -> None:
+        """Least recently used entries go until the budget holds (called with the lock held)."""
+        while self.stats.stored_bytes > self.budget:
+            self._drop(next(iter(self._entries.values())))
+            self.stats.evictions += 1
 
     def _drop(self, entry: Entry) -> None:
         for key in entry.keys:

@@ -277,20 +277,28 @@ class TargetModel(nn.Module):
         return outs
 
     def _forward_in_twin(self, tokens, cache: KVCache, taps: tuple[int, ...], logits_from: int) -> TargetOutput:
-        """The same forward computed by the prefill twin: the cached prefix is handed to it in its
-        dtype, and the new K/V, taps and hidden states come back in ours (logits are float32)."""
+        """The same forward computed by the prefill twin, layer by layer: each layer reads its cached
+        prefix converted to the twin's dtype (one layer's worth of scratch at a time, not a copy of
+        the whole cache), and its new K/V go back into `cache` in ours; taps and hidden states come
+        back in ours, logits are float32."""
         twin, start, t = self.prefill_twin, cache.length, tokens.shape[0]
-        scratch = twin.new_cache(start + t)
-        scratch.k[:, :, :start] = cache.k[:, :, :start]
-        scratch.v[:, :, :start] = cache.v[:, :, :start]
-        scratch.length = start
-        out = twin(tokens, scratch, taps, logits_from)
         cache.reserve(t)
-        cache.k[:, :, start:start + t] = scratch.k[:, :, start:start + t]
-        cache.v[:, :, start:start + t] = scratch.v[:, :, start:start + t]
-        cache.length = start + t
-        return TargetOutput(logits=out.logits, taps=None if out.taps is None else out.taps.to(self.dtype),
-                            last_hidden=out.last_hidden.to(self.dtype))
+        end = start + t
+        cos, sin = twin.rotary.tables(slice(start, end), twin.dtype, tokens.device)
+        mask = attention_mask(t, start, twin.cfg.num_heads, twin.cfg.num_kv_heads, twin.dtype, tokens.device)
+        x, captured = twin.embed_tokens(tokens), {}
+        for i, layer in enumerate(twin.layers):
+            if i in taps:
+                captured[i] = x
+            k, v = cache.k[i, :, :end].to(twin.dtype), cache.v[i, :, :end].to(twin.dtype)   # [kv_heads, end, hd]
+            x = layer(x, cos, sin, k, v, start, mask)   # writes this layer's new K/V at start..end-1
+            cache.k[i, :, start:end] = k[:, start:]
+            cache.v[i, :, start:end] = v[:, start:]
+        h = twin.norm(x)
+        captured[twin.cfg.num_layers] = h
+        cache.length = end
+        tap_tensor = torch.stack([captured[i] for i in taps], dim=1).to(self.dtype) if taps else None
+        return TargetOutput(logits=twin.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h.to(self.dtype))
 
     def run_layers(self, x, cos, sin, k_cache, v_cache, start: int, mask, taps: tuple[int, ...]):
         """Decoder layers + final norm: (h [T, hidden], taps [T, n_taps, hidden] or None)."""

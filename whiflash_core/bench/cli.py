@@ -112,7 +112,6 @@ PEERS = ("hf_generate", "hf_pld", "llama_cpp")
 
 
 def build_inprocess(args, methods, prompts, notes):
-    import torch
 
     from ..chat import encode_chat
     from ..loading import load_engine

@@ -25,6 +25,7 @@ from ..sampling import MIN_TEMPERATURE
 
 if TYPE_CHECKING:
     from ..config import SpeculationConfig
+    from ..target import KVCache
 
 
 @dataclass
@@ -69,6 +70,10 @@ class DrafterState:
     """Per-request drafter cache. `n_seen` = verified positions already in the cache."""
 
     n_seen: int = 0
+    # The drafter's K/V over verified positions 0..n_seen-1, for drafters that keep one (EAGLE-3,
+    # DFlash). The prefix cache stores it next to the target's, so a request that reuses a cached
+    # prefix starts with its drafters caught up on it instead of re-running the whole prompt.
+    cache: KVCache | None = None
 
 
 def to_sharing(module: torch.nn.Module, shared: tuple[torch.nn.Module | None, ...], device,
@@ -92,6 +97,9 @@ class Drafter(ABC):
     max_draft_tokens: int = 1
     # tokens one proposal makes when the request does not say
     default_draft_len: int = 4
+    # tokens past a position that its `state.cache` entry depends on: EAGLE-3 pairs position t
+    # with token t + 1, so a reused prefix of m tokens determines its cache at positions < m - 1
+    cache_lookahead: int = 0
 
     def draft_len(self, spec: SpeculationConfig) -> int:
         """Tokens this drafter proposes per round: the request's num_draft_tokens, else its default."""
@@ -106,6 +114,19 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, state: DrafterState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft: ...
+
+    def catch_up_many(self, states: list[DrafterState], ctxs: list[Context]) -> None:
+        """`catch_up` for several requests; drafters with weights override it to run all the
+        requests' unseen positions through their weights together."""
+        for state, ctx in zip(states, ctxs):
+            self.catch_up(state, ctx)
+
+    def propose_many(self, states: list[DrafterState], ctxs: list[Context], num_tokens: list[int],
+                     samplings: list[DraftSampling]) -> list[Draft]:
+        """`propose` for several requests (the server's requests that picked this drafter in one
+        pass). Drafters with weights override it to run the requests' rows through their weights
+        together; each request's draft must be the one `propose` alone would make."""
+        return [self.propose(*args) for args in zip(states, ctxs, num_tokens, samplings)]
 
 
 def pick_tokens(logits: torch.Tensor, sampling: DraftSampling, d2t: torch.Tensor | None,
@@ -126,6 +147,21 @@ def pick_tokens(logits: torch.Tensor, sampling: DraftSampling, d2t: torch.Tensor
     cols = _to_target(torch.arange(probs.shape[1], device=probs.device), d2t)
     full[:, cols] = probs
     return _to_target(idx, d2t), full
+
+
+def pick_tokens_many(logits: torch.Tensor, counts: list[int], samplings: list[DraftSampling],
+                     d2t: torch.Tensor | None, vocab_size: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """`pick_tokens` for several requests' rows at once: logits [sum(counts), draft_vocab], request i's
+    rows next in order. The greedy requests share one argmax; each sampled one draws with its own
+    generator (in request order, as each would alone)."""
+    greedy = logits.float().argmax(-1) if any(s.greedy for s in samplings) else None
+    out, row = [], 0
+    for count, sampling in zip(counts, samplings):
+        rows = slice(row, row + count)
+        out.append((_to_target(greedy[rows], d2t), None) if sampling.greedy
+                   else pick_tokens(logits[rows], sampling, d2t, vocab_size))
+        row += count
+    return out
 
 
 def _to_target(idx: torch.Tensor, d2t: torch.Tensor | None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, init_linear_
 from ..target import KVCache, TargetModel
-from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens, to_sharing
+from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens_many, to_sharing
 from .checkpoint import load_state_dict, save_state_dict
 
 
@@ -101,6 +101,23 @@ class DFlashLayer(nn.Module):
         x = x + a.o_proj(attend(q, k, v, mask))
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_blocks(self, x, cos, sin, contexts: list[tuple[torch.Tensor, torch.Tensor]], sizes: list[int]):
+        """Several requests' blocks, rows in request order (sizes[i] rows each), block i attending to
+        [contexts[i] ; its own block] (no mask: bidirectional): the projections and the MLP run over
+        all rows at once, attention per request."""
+        a, t = self.self_attn, x.shape[0]
+        h = self.input_layernorm(x)
+        q = apply_rope(a.q_norm(a.q_proj(h).view(t, self.nh, self.hd)).transpose(0, 1), cos, sin)
+        k, v = self.kv(h, cos, sin)                                                   # [nkv, t, hd]
+        out, row = [], 0
+        for (ctx_k, ctx_v), size in zip(contexts, sizes):
+            rows = slice(row, row + size)
+            out.append(attend(q[:, rows], torch.cat([ctx_k, k[:, rows]], dim=1), torch.cat([ctx_v, v[:, rows]], dim=1),
+                              None))
+            row += size
+        x = x + a.o_proj(torch.cat(out))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashState(DrafterState):
     def __init__(self, cache: KVCache):
@@ -161,6 +178,27 @@ class DFlashDrafter(Drafter, nn.Module):
         cache.length = n
         state.n_seen = n
 
+    @torch.inference_mode()
+    def catch_up_many(self, states: list[DFlashState], ctxs: list[Context]) -> None:
+        """`catch_up` for several requests: the unseen positions of all of them through `fc` and
+        every layer's k/v projections at once, written to each cache."""
+        spans = [(state, ctx, state.n_seen, ctx.n) for state, ctx in zip(states, ctxs) if state.n_seen < ctx.n]
+        if len(spans) < 2:
+            return super().catch_up_many(states, ctxs)
+        taps = torch.cat([ctx.features(self.tap_layers, a, b) for _, ctx, a, b in spans])
+        hidden = self.hidden_norm(self.fc(taps.reshape(taps.shape[0], -1)))
+        cos, sin = self.rotary.tables(torch.cat([torch.arange(a, b) for _, _, a, b in spans]), hidden.dtype,
+                                      hidden.device)
+        kvs = [layer.kv(hidden, cos, sin) for layer in self.layers]   # per layer ([nkv, t, hd], [nkv, t, hd])
+        row = 0
+        for state, _, a, b in spans:
+            state.cache.ensure(b)
+            for i, (k, v) in enumerate(kvs):
+                state.cache.k[i][:, a:b] = k[:, row:row + b - a]
+                state.cache.v[i][:, a:b] = v[:, row:row + b - a]
+            state.n_seen = state.cache.length = b
+            row += b - a
+
     # -- block drafting ---------------------------------------------------------------------
 
     def block_hidden(self, block_ids: torch.Tensor, start: int, ctx_kv) -> torch.Tensor:
@@ -184,16 +222,35 @@ class DFlashDrafter(Drafter, nn.Module):
 
     @torch.inference_mode()
     def propose(self, state: DFlashState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
-        self.catch_up(state, ctx)
-        n = ctx.n
-        size = min(num_tokens, self.max_draft_tokens) + 1
-        block = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=ctx.ids.device)
-        block[0] = ctx.ids[n]
-        cache = state.cache
-        ctx_kv = [(cache.k[i][:, :n], cache.v[i][:, :n]) for i in range(len(self.layers))]
-        h = self.block_hidden(block, n, ctx_kv)
-        tokens, probs = pick_tokens(self.head_logits(h[1:]), sampling, self.d2t, self.cfg.vocab_size)
-        return Draft(tokens, probs)
+        return self.propose_many([state], [ctx], [num_tokens], [sampling])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, states: list[DFlashState], ctxs: list[Context], num_tokens: list[int],
+                     samplings: list[DraftSampling]) -> list[Draft]:
+        """Blocks of several requests in one pass: block i is [pending, MASK x (b_i - 1)] at positions
+        n_i.., attending to its own context K/V; the projections, MLPs and head run over all blocks'
+        rows at once (`DFlashLayer.forward_blocks`). A request's block is the one it drafts alone."""
+        for state, ctx in zip(states, ctxs):
+            self.catch_up(state, ctx)
+        sizes = [min(k, self.max_draft_tokens) + 1 for k in num_tokens]
+        device = ctxs[0].ids.device
+        blocks, positions = [], []
+        for ctx, size in zip(ctxs, sizes):
+            block = torch.full((size,), self.cfg.mask_token_id, dtype=torch.long, device=device)
+            block[0] = ctx.ids[ctx.n]
+            blocks.append(block)
+            positions.append(torch.arange(ctx.n, ctx.n + size))
+        x = self.embed_tokens(torch.cat(blocks)).to(self.fc.weight.dtype)
+        cos, sin = self.rotary.tables(torch.cat(positions), x.dtype, x.device)
+        for i, layer in enumerate(self.layers):
+            contexts = [(state.cache.k[i][:, :ctx.n], state.cache.v[i][:, :ctx.n]) for state, ctx in zip(states, ctxs)]
+            x = layer.forward_blocks(x, cos, sin, contexts, sizes)
+        # each block's slot j > 0 predicts the token at its own position: its draft token j
+        starts = torch.tensor([0] + sizes[:-1]).cumsum(0).tolist()
+        drafted = torch.cat([x[s + 1:s + size] for s, size in zip(starts, sizes)])
+        picked = pick_tokens_many(self.head_logits(drafted), [size - 1 for size in sizes], samplings, self.d2t,
+                                  self.cfg.vocab_size)
+        return [Draft(tokens, probs) for tokens, probs in picked]
 
     # -- construction, loading, saving ------------------------------------------------------
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from ..layers import RMSNorm, Rotary, SwiGLU, apply_rope, attend, causal_mask, init_linear_
 from ..target import KVCache, TargetModel
-from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens, to_sharing
+from .base import Context, Draft, Drafter, DrafterState, DraftSampling, pick_tokens_many, to_sharing
 from .checkpoint import load_state_dict, save_state_dict
 
 
@@ -112,6 +112,23 @@ class Eagle3Layer(nn.Module):
                                                     start + full_from, start + t)
         return h + self.mlp(self.post_attention_layernorm(h))
 
+    def forward_rows(self, emb, hidden, cos, sin, caches: list[tuple[torch.Tensor, torch.Tensor]],
+                     positions: list[int]):
+        """One row per request, row i at positions[i] over its own cache caches[i] = (k, v) of this
+        layer: the projections and the MLP run over all rows at once, attention per request."""
+        x, residual = self.inputs(emb, hidden)
+        a, t = self.self_attn, x.shape[0]
+        q = apply_rope(a.q_proj(x).view(t, a.nh, a.hd).transpose(0, 1), cos, sin)     # [nh, R, hd]
+        k = apply_rope(a.k_proj(x).view(t, a.nkv, a.hd).transpose(0, 1), cos, sin)    # [nkv, R, hd]
+        v = a.v_proj(x).view(t, a.nkv, a.hd).transpose(0, 1)
+        out = []
+        for i, ((k_cache, v_cache), p) in enumerate(zip(caches, positions)):
+            k_cache[:, p] = k[:, i]
+            v_cache[:, p] = v[:, i]
+            out.append(attend(q[:, i:i + 1], k_cache[:, :p + 1], v_cache[:, :p + 1], None))
+        h = residual + a.o_proj(torch.cat(out))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
 
 class Eagle3State(DrafterState):
     def __init__(self, cache: KVCache):
@@ -121,6 +138,7 @@ class Eagle3State(DrafterState):
 
 class Eagle3Drafter(Drafter, nn.Module):
     name = "eagle3"
+    cache_lookahead = 1   # position t's K/V reads the pair (g_t, token t+1)
 
     def __init__(self, cfg: Eagle3Config, embed_tokens: nn.Embedding | None = None):
         nn.Module.__init__(self)
@@ -165,6 +183,18 @@ class Eagle3Drafter(Drafter, nn.Module):
         cache.length = max(cache.length, start + t)
         return h
 
+    def run_rows(self, caches: list[KVCache], emb, hidden, positions: list[int]) -> torch.Tensor:
+        """`run` for one row per request, each at its own position over its own cache: [R, H]."""
+        for cache, p in zip(caches, positions):
+            cache.ensure(p + 1)
+        cos, sin = self.rotary.tables(torch.tensor(positions), emb.dtype, emb.device)
+        h = hidden
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_rows(emb, h, cos, sin, [(c.k[i], c.v[i]) for c in caches], positions)
+        for cache, p in zip(caches, positions):
+            cache.length = max(cache.length, p + 1)
+        return h
+
     def logits(self, a: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(a))
 
@@ -194,27 +224,73 @@ class Eagle3Drafter(Drafter, nn.Module):
         state.n_seen = state.cache.length = end
 
     @torch.inference_mode()
+    def catch_up_many(self, states: list[Eagle3State], ctxs: list[Context]) -> None:
+        """`catch_up` for several requests: the unseen pairs of all of them through `fc` and the
+        k/v projections at once (all a one-layer drafter needs from them), written to each cache."""
+        spans = [(state, ctx, state.n_seen, ctx.n - 1) for state, ctx in zip(states, ctxs) if state.n_seen < ctx.n - 1]
+        if len(self.layers) > 1 or len(spans) < 2:   # deeper drafters run full layers on caught-up rows
+            return super().catch_up_many(states, ctxs)
+        g = self.fuse(torch.cat([ctx.features(self.tap_layers, a, b) for _, ctx, a, b in spans]))
+        emb = self.embed_tokens(torch.cat([ctx.ids[a + 1:b + 1] for _, ctx, a, b in spans]))
+        cos, sin = self.rotary.tables(torch.cat([torch.arange(a, b) for _, _, a, b in spans]), emb.dtype, emb.device)
+        layer = self.layers[0]
+        attn, t = layer.self_attn, emb.shape[0]
+        x, _ = layer.inputs(emb, g)
+        k = apply_rope(attn.k_proj(x).view(t, attn.nkv, attn.hd).transpose(0, 1), cos, sin)   # [nkv, t, hd]
+        v = attn.v_proj(x).view(t, attn.nkv, attn.hd).transpose(0, 1)
+        row = 0
+        for state, _, a, b in spans:
+            state.cache.ensure(b)
+            state.cache.k[0][:, a:b] = k[:, row:row + b - a]
+            state.cache.v[0][:, a:b] = v[:, row:row + b - a]
+            state.n_seen = state.cache.length = b
+            row += b - a
+
+    @torch.inference_mode()
     def propose(self, state: Eagle3State, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
-        self.catch_up(state, ctx)
-        n = ctx.n
-        start = min(state.n_seen, n - 1)
-        g = self.fuse(ctx.features(self.tap_layers, start, n))
-        emb = self.embed_tokens(ctx.ids[start + 1:n + 1])
-        a = self.run(state.cache, emb, g, start, full_from=n - 1 - start)[-1:]
-        state.n_seen = state.cache.length = n
-        tokens, probs = [], []
-        for j in range(num_tokens):
-            tok, p = pick_tokens(self.logits(a), sampling, self.d2t, self.cfg.vocab_size)
-            tokens.append(tok)
-            probs.append(p)
-            if j + 1 == num_tokens:
+        return self.propose_many([state], [ctx], [num_tokens], [sampling])[0]
+
+    @torch.inference_mode()
+    def propose_many(self, states: list[Eagle3State], ctxs: list[Context], num_tokens: list[int],
+                     samplings: list[DraftSampling]) -> list[Draft]:
+        """Chains of several requests, one drafter pass per chain step for all of them: each step's
+        projections, MLP and head run over one row per request, attention per request over its own
+        cache (`run_rows`). A request's chain is the one it drafts alone."""
+        for state, ctx in zip(states, ctxs):
+            self.catch_up(state, ctx)   # now n_seen = n - 1: the newest pair is left for the first step
+        ns = [ctx.n for ctx in ctxs]
+        caches = [state.cache for state in states]
+        # first step: the newest verified pair (g_{n-1}, pending token) at position n-1 runs the full
+        # layer; its output seeds the chain
+        g = self.fuse(torch.cat([ctx.features(self.tap_layers, n - 1, n) for ctx, n in zip(ctxs, ns)]))
+        emb = self.embed_tokens(torch.stack([ctx.ids[n] for ctx, n in zip(ctxs, ns)]))
+        a = self.run_rows(caches, emb, g, [n - 1 for n in ns])
+        for state, n in zip(states, ns):
+            state.n_seen = state.cache.length = n
+        tokens: list[list[torch.Tensor]] = [[] for _ in ns]
+        probs: list[list[torch.Tensor | None]] = [[] for _ in ns]
+        live = [i for i, k in enumerate(num_tokens) if k > 0]   # requests whose chains go on; a's rows
+        for j in range(max(num_tokens, default=0)):
+            picked = pick_tokens_many(self.logits(a), [1] * len(live), [samplings[i] for i in live], self.d2t,
+                                      self.cfg.vocab_size)
+            for i, (tok, p) in zip(live, picked):
+                tokens[i].append(tok)
+                probs[i].append(p)
+            rows = [r for r, i in enumerate(live) if j + 1 < num_tokens[i]]
+            if not rows:
                 break
-            hidden = self.norm(a) if self.cfg.norm_output else a
+            live = [live[r] for r in rows]
+            hidden = (self.norm(a) if self.cfg.norm_output else a)[rows]
             # chain step: (a, draft token) at position n+j; its K/V sit past n_seen and are
             # overwritten by the next catch-up, so drafts never pollute the verified cache.
-            a = self.run(state.cache, self.embed_tokens(tok), hidden, n + j)
-        state.cache.length = n
-        return Draft(torch.cat(tokens), None if probs[0] is None else torch.cat(probs))
+            a = self.run_rows([caches[i] for i in live], self.embed_tokens(torch.cat([tokens[i][j] for i in live])),
+                              hidden, [ns[i] + j for i in live])
+        drafts = []
+        for state, ctx, toks, ps in zip(states, ctxs, tokens, probs):
+            state.cache.length = ctx.n
+            drafts.append(Draft(torch.cat(toks), None if ps[0] is None else torch.cat(ps)) if toks
+                          else Draft(ctx.ids[:0]))
+        return drafts
 
     # -- construction, loading, saving ------------------------------------------------------
 

@@ -649,7 +649,7 @@ def model_card(m: dict, size: int) -> str:
         f"{d['train_positions']:,} positions), float32 target, the shipped drafters; rows are the round starts of "
         f"{s['trajectories']} exploring replays per answer ({d['rows']['train']:,} train rows, "
         f"{d['rows']['dev']:,} dev rows from {d['dev_answers']} held-back train answers). Spec-Bench never used.",
-        f"- Train sources: " + ", ".join(f"{k} {n}" for k, n in d["train_sources"].items()) + ".",
+        "- Train sources: " + ", ".join(f"{k} {n}" for k, n in d["train_sources"].items()) + ".",
         f"- Training: {t['steps']} AdamW steps of {s['batch']} rows, lr {s['lr']} (cosine to 10 %), weight decay "
         f"{s['weight_decay']}, dropout {s['dropout']}; best dev loss {t['best_dev_loss']} at step {t['best_step']}; "
         f"{t['cpu_s']} CPU s on {s['threads']} thread. Labelling took {m['wall_s']['labels_train'] / 60:.0f} min (train) "
