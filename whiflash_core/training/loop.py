@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from ..cli_args import from_args, setting
+from ..machine import cpu_info
 from ..target import TargetModel
 from .data import (Example, build_draft_vocab, data_dirs, load_examples, pick_val, plan_epoch, step_generator,
                    vocab_coverage)
@@ -333,11 +334,16 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
         torch.set_rng_state(ckpt["rng"])
         pos = _Position(ckpt["step"], ckpt["epoch"], ckpt["batch_i"], ckpt["plan"], tokens_seen(ckpt))
         wall0 = ckpt.get("wall_s", 0.0)
+        machines = ckpt.get("machines", [])
     else:
         if init is not None:
             task.load_state_dict(init.state)
         pos = _Position(0, 0, 0, plan_epoch(train_set, s.batch_tokens, s.seed, 0))
         wall0 = 0.0
+        machines = []
+    # the CPUs this run has trained on, for the model card (a run resumes across sessions and machines)
+    here = f"{cpu_info()['cpu']}, {os.cpu_count()} cores"
+    machines = machines + [here] if here not in machines else machines
     log = MetricsLog(log_path, keep_until=pos.step if ckpt is not None else None)
     by_id = {e.id: e for e in train_set}
     missing = [i for b in pos.plan for i in b if i not in by_id]
@@ -358,6 +364,7 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
             "model": task.state_dict(), "optimizer": opt.state_dict(), "rng": torch.get_rng_state(),
             "config": task.config(), "vocab_ids": vocab_ids, "vocab_coverage": coverage,
             "settings": asdict(s), "wall_s": wall0 + time.time() - t_start, "prior": prior,
+            "machines": machines,
         })
 
     def export() -> None:

@@ -82,8 +82,9 @@ def bench_table(path: str, method: str) -> list[str]:
         if r["method"] != method:
             continue
         found = True
+        ratio = "not run" if r["ratio_decode"] is None else f"{r['ratio_decode']:.2f}x"   # no `none` in that run
         rows.append(f"| {r['category']} | {r['prompts']} | {r['acceptance_length']:.2f} | "
-                    f"{r['decode_tps']:.1f} | {r['ratio_decode']:.2f}x |")
+                    f"{r['decode_tps']:.1f} | {ratio} |")
     if not found:
         raise SystemExit(f"{path} has no results for method {method!r}")
     return rows
@@ -144,8 +145,9 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         "## Training",
         "",
         f"- Steps: {ckpt['step']:,} (epoch {ckpt['epoch']}), tokens seen: {tokens_seen(ckpt):,} "
-        f"(prompt + response), wall time: {ckpt['wall_s'] / 3600:.2f} h on 1 CPU thread "
-        "(2-core AMD EPYC VM, no GPU; the other core trained the other drafter).",
+        f"(prompt + response), wall time: {ckpt['wall_s'] / 3600:.2f} h on {s.get('threads', 1)} CPU thread(s) of "
+        + ("; ".join(ckpt["machines"]) if ckpt.get("machines") else "a machine not recorded")
+        + " (no GPU; the other cores did other work meanwhile).",
         *lineage_lines(prior, ckpt),
         f"- Command: `whiflash train {name} {flags}`",
         f"- Optimiser: AdamW, lr {s['lr']:g}, {s['schedule']} schedule, warm-up {s['warmup']}, "
