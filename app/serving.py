@@ -104,11 +104,18 @@ class ChoiceDone:
     state: ChoiceState
 
 
+def _key(kind: str, *spec) -> str:
+    """What a grammar is compiled from, as one string (the same tools or schema, the same key)."""
+    return kind + ":" + json.dumps(spec, sort_keys=True, default=str)
+
+
 @dataclass
 class GrammarJob:
-    """A grammar to compile for a request: the parameter it comes from, and how to compile it."""
+    """A grammar to compile for a request: the parameter it comes from, how to compile it, and
+    what it is compiled from (`key`: requests with the same key share one compilation's slot)."""
     param: str
     compile: Callable[[], Any]
+    key: str = ""
 
 
 class ChatServing:
@@ -282,16 +289,20 @@ class ChatServing:
         if choice == "required" or named is not None:
             chosen = [t for t in tools if named is None or t["function"]["name"] == named]
             self._check_tool_schemas(chosen)
-            return GrammarJob("tools", lambda: self.grammars.tool_calls(chosen, parallel and named is None))
+            return GrammarJob("tools", lambda: self.grammars.tool_calls(chosen, parallel and named is None),
+                              _key("tool_calls", chosen, parallel and named is None))
         if tools and choice == "auto" and self.settings.lazy_tool_grammar:
             self._check_tool_schemas(tools)
             if schema is not None:
-                return GrammarJob("tools", lambda: self.grammars.tool_calls_or_json(tools, parallel, schema))
-            return GrammarJob("tools", lambda: self.grammars.lazy_tool_calls(tools, parallel))
+                return GrammarJob("tools", lambda: self.grammars.tool_calls_or_json(tools, parallel, schema),
+                                  _key("tool_calls_or_json", tools, parallel, schema))
+            return GrammarJob("tools", lambda: self.grammars.lazy_tool_calls(tools, parallel),
+                              _key("lazy_tool_calls", tools, parallel))
         if schema is not None:
-            return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict))
+            return GrammarJob("response_format", lambda: self.grammars.json_schema(schema, strict=strict),
+                              _key("json_schema", schema, strict))
         if self.settings.lazy_tool_grammar and self._shows_tool_markup(req):
-            return GrammarJob("messages", self.grammars.free_text)
+            return GrammarJob("messages", self.grammars.free_text, _key("free_text"))
         return None
 
     def _shows_tool_markup(self, req: ChatCompletionRequest) -> bool:
@@ -353,7 +364,7 @@ class ChatServing:
             gen.cache_namespace = namespace
             if prepared.grammar is not None:  # in its own bounded pool, with a deadline: plain requests never wait
                 job = prepared.grammar
-                gen.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param)
+                gen.constraint = await self.grammar_jobs.run(lambda: self._compile(job), job.param, job.key)
         return prepared, submit_all(self.scheduler, prepared.generations, prepared.id, prepared.info,
                                     request_owner(http, self.settings))
 

@@ -617,30 +617,37 @@ def test_slow_grammar_meets_its_deadline_and_plain_requests_never_wait_behind_it
     app, tc = in_process(FakeEngine("ok"), grammar_timeout=0.5, grammar_queue=2)
     serving = app.state.serving
     serving._grammars = slow = SlowGrammars(2.0)
-    body = {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
-        "type": "object"}}}}
+
+    def body(n: int) -> dict:   # a schema of its own per n
+        return {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+            "type": "object", "properties": {f"p{n}": {"type": "string"}}}}}}
+
     with tc:
         answers = []
-        grammar_requests = [threading.Thread(target=lambda: answers.append(tc.post("/v1/chat/completions", json=body)))
-                            for _ in range(2)]
+        # two distinct grammars fill the pool; a third request for the first one's grammar shares
+        # its slot (agent streams resend the same tools), so all three are admitted
+        grammar_requests = [threading.Thread(target=lambda n=n: answers.append(tc.post("/v1/chat/completions",
+                                                                                       json=body(n))))
+                            for n in (0, 1, 0)]
         for t in grammar_requests:
             t.start()
         wait_until(lambda: serving.grammar_jobs.pending == 2, 2.0)
-        # the pool is full: a third grammar is refused at once, plain requests are served at once
-        assert_openai_error(tc.post("/v1/chat/completions", json=body), 429, "grammar_queue_full")
+        # the pool is full: another grammar is refused at once, plain requests are served at once
+        assert_openai_error(tc.post("/v1/chat/completions", json=body(2)), 429, "grammar_queue_full")
         for _ in range(5):
             t0 = time.monotonic()
             assert_still_serving(tc)
             assert time.monotonic() - t0 < 0.4
         for t in grammar_requests:
             t.join(5)
+        assert len(answers) == 3
         for r in answers:  # each waited its 0.5 s, then a 400 naming the limit
             error = assert_openai_error(r, 400, "grammar_timeout")
             assert "0.5 s" in error["message"] and error["param"] == "response_format"
         # the compilations go on in the background and free their places when done
-        wait_until(lambda: serving.grammar_jobs.pending == 0, 6.0)
+        wait_until(lambda: serving.grammar_jobs.pending == 0, 8.0)
         slow.seconds = 0.0
-        assert tc.post("/v1/chat/completions", json=body).status_code == 200
+        assert tc.post("/v1/chat/completions", json=body(2)).status_code == 200
 
 
 def test_grammar_cache_is_bounded():
