@@ -31,6 +31,7 @@ import json
 import os
 import platform
 import re
+import sys
 import time
 from dataclasses import dataclass
 
@@ -245,7 +246,8 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
     table = time_formats(cfg, candidates, heads=head_kinds())
     if verbose:
         for name, t in table.items():
-            print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), flush=True)
+            print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), file=sys.stderr,
+                  flush=True)   # stderr: `whiflash info --json` prints only the JSON to stdout
     formats = choose(table, candidates)
     result = {"machine": info, "shape": shape, "seconds": round(time.perf_counter() - started, 2),
               "table": {k: {str(r): round(t, 6) for r, t in v.items()} for k, v in table.items()},
