@@ -96,6 +96,16 @@ def test_distill_store_resume_and_val(tiny_model_dir, tmp_path):
     with pytest.raises(SystemExit):
         D.distill(settings(tiny_model_dir, out, max_new_tokens=7))
 
+    # exclusions may grow on resume (an empty data set made since), never shrink, and never cover
+    # answers this directory already holds
+    other = tmp_path / "other"
+    D.distill(settings(tiny_model_dir, other, limit=0))
+    D.distill(settings(tiny_model_dir, out, exclude_done_in=[str(other)]))
+    with pytest.raises(SystemExit, match="keep them"):
+        D.distill(settings(tiny_model_dir, out))
+    with pytest.raises(SystemExit, match="overlap"):
+        D.distill(settings(tiny_model_dir, out, exclude_done_in=[str(other), str(out)]))
+
 
 def test_generate_batch_keeps_eos_and_cuts_after_it():
     class StubModel:

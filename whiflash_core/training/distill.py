@@ -45,7 +45,9 @@ MAX_VOCAB = 1 << 16  # token ids are stored as uint16
 # Settings that change what a prompt's sample is, or which split it lands in: a resumed run
 # must use the same values, or the output would mix two datasets (or leak val into train).
 IDENTITY_SETTINGS = ("model", "dtype", "max_new_tokens", "max_prompt_tokens", "temperature",
-                     "sample_frac", "val_per_source", "seed", "exclude_done_in")
+                     "sample_frac", "val_per_source", "seed")
+# exclude_done_in may grow on resume (a data set made since, e.g. a router label set, whose prompts
+# this one must not answer too), never shrink; see _check_resume and distill()
 
 
 # --------------------------------------------------------------------------- CLI
@@ -308,6 +310,10 @@ def _check_resume(previous: dict[str, Any] | None, settings: dict[str, Any]) -> 
         diff = ", ".join(f"{k}: {old[k]!r} -> {settings[k]!r}" for k in changed)
         raise SystemExit(f"{settings['out']} was made with other settings ({diff}); "
                          "use those settings to resume, or a new --out")
+    dropped = sorted(set(old.get("exclude_done_in", [])) - set(settings["exclude_done_in"]))
+    if dropped:
+        raise SystemExit(f"{settings['out']} was made excluding the prompts of {dropped}: keep them in "
+                         "--exclude-done-in (more may be added)")
 
 
 # --------------------------------------------------------------------------- generation
@@ -386,6 +392,9 @@ def distill(s: DistillSettings) -> dict[str, Any]:
 
     conversations = load_prompts(s.prompts)
     elsewhere = {x.id for d in s.exclude_done_in for split in SPLITS for x in iter_samples(d, split)}
+    if done & elsewhere:   # an exclusion added on resume that this directory already answered
+        raise SystemExit(f"{len(done & elsewhere)} prompt(s) answered in {s.out} are also answered in "
+                         f"--exclude-done-in {s.exclude_done_in}: the two data sets would overlap")
     conversations = [c for c in conversations if c["id"] not in elsewhere]
     tokenizer, model = load_target(s)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
