@@ -88,7 +88,27 @@ def read_q4_1_linears(gguf_path: str, num_heads: int, num_kv_heads: int) -> dict
 KERNEL_DTYPE = torch.bfloat16
 
 
-class Int4Linear(nn.Module):
+class _WeightOnlyLinear(nn.Module):
+    """What the light linears share: y = x @ W.T for x [..., in] by `kernel` over the rows flattened,
+    or through the dense copy `weight` (when kept) from `dense_from_rows` rows on."""
+    out_features: int
+    weight: torch.Tensor | None
+    dense_from_rows: int
+
+    def kernel(self, x2: torch.Tensor) -> torch.Tensor:   # [rows, in] -> [rows, out], in x2's dtype
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.weight is not None and x2.shape[0] >= self.dense_from_rows:
+            y = nn.functional.linear(x2, self.weight)
+        else:
+            y = self.kernel(x2)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Int4Linear(_WeightOnlyLinear):
     """y = x @ W.T with W held as packed int4 + per-group (scale, zero); bias-free.
 
     The kernel runs in bf16 (KERNEL_DTYPE); x and y are in `dtype`, the model's activation dtype.
@@ -121,18 +141,12 @@ class Int4Linear(nn.Module):
         q = ((groups - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
         return cls(q.numpy(), d.numpy(), lo.numpy(), weight, dense_from_rows, weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.weight is not None and x2.shape[0] >= self.dense_from_rows:
-            y = nn.functional.linear(x2, self.weight)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), self.packed,
-                                                          GROUP, self.scales_and_zeros).to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+    def kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), self.packed,
+                                                         GROUP, self.scales_and_zeros).to(x2.dtype)
 
 
-class Int8Linear(nn.Module):
+class Int8Linear(_WeightOnlyLinear):
     """y = x @ W.T with W as int8 and one scale per output row; bias-free. The kernel runs in bf16
     (KERNEL_DTYPE); x and y are in the dense weight's dtype.
 
@@ -150,14 +164,8 @@ class Int8Linear(nn.Module):
         self.weight = weight
         self.dense_from_rows = dense_from_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] >= self.dense_from_rows:
-            y = nn.functional.linear(x2, self.weight)
-        else:
-            y = torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.q, self.scales).to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+    def kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.q, self.scales).to(x2.dtype)
 
 
 def dynamic_int8_available() -> bool:
@@ -165,7 +173,7 @@ def dynamic_int8_available() -> bool:
     return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "qnnpack"))
 
 
-class DynInt8Linear(nn.Module):
+class DynInt8Linear(_WeightOnlyLinear):
     """y = x @ W.T through PyTorch's dynamic int8 GEMM (fbgemm on x86: VNNI/AVX2 integer dot
     products): W int8 per output row, x quantized to uint8 per call (one scale per tensor).
 
@@ -188,14 +196,8 @@ class DynInt8Linear(nn.Module):
         self.weight = weight
         self.dense_from_rows = dense_from_rows
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.shape[0] >= self.dense_from_rows:
-            y = nn.functional.linear(x2, self.weight)
-        else:
-            y = torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, False).to(x.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+    def kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, False).to(x2.dtype)
 
 
 HEAD_KINDS = {"int8": Int8Linear, "dynint8": DynInt8Linear, "int4": Int4Linear.from_dense}
