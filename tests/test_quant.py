@@ -66,7 +66,8 @@ def test_int8_linear_matches_dense_and_switches_to_dense_for_many_rows():
 
 
 def test_light_formats_keep_the_greedy_choice_of_the_dense_target():
-    """int4 (Q4_1 layers + int8 head) and int8 on the real model: the float32-refined top-8 keeps
+    """int4 (Q4_1 layers + int8 head), q4_1 (the same blocks through the Q4_1 x Q8 kernel) and int8
+    on the real model: the float32-refined top-8 keeps
     the dense target's greedy token at (almost) every position of a real chat prompt."""
     from whiflash_core.chat import encode_chat
     from whiflash_core.loading import load_target
@@ -74,7 +75,9 @@ def test_light_formats_keep_the_greedy_choice_of_the_dense_target():
     dense, tok = load_target(None, "bfloat16")
     ids = torch.tensor(encode_chat(tok, [{"role": "user", "content": "Explain what a CPU cache is."}]))
     ref = dense(ids, dense.new_cache(len(ids)), logits_from=0).logits.argmax(-1)
-    for weights in ("int8", "int4"):
+    from whiflash_core import q4_1_kernel
+
+    for weights in ("int8", "int4") + (("q4_1",) if q4_1_kernel.available() else ()):
         model, _ = load_target(None, "bfloat16", weights)
         got = torch.cat([model(ids[i:i + 16], cache, logits_from=0).logits.argmax(-1)
                          for cache in [model.new_cache(len(ids))] for i in range(0, len(ids), 16)])

@@ -45,7 +45,7 @@ LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well 
 CONTEXT = 256  # cached positions the timed forwards attend to
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 5
+CACHE_VERSION = 6
 VERIFY_CACHE_VERSION = 1
 
 
@@ -99,7 +99,7 @@ def _write_json(path: str, result: dict) -> None:
 # --------------------------------------------------------------------------- timing
 
 def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str = "int8"):
-    from .quant import Int4Linear, quantize_head, quantize_int8
+    from .quant import Int4Linear, Q41Linear, quantize_head, quantize_int8
     from .target import TargetModel
 
     small = dataclasses.replace(cfg, num_layers=layers)
@@ -108,7 +108,8 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str 
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
-    if weights == "int4":  # random Q4_1 blocks: only the kernel's speed matters here
+    if weights in ("int4", "q4_1"):  # random Q4_1 blocks: only the kernel's speed matters here
+        linear = Q41Linear if weights == "q4_1" else Int4Linear
         rng = np.random.default_rng(0)
         for name, mod in list(model.named_modules()):
             if isinstance(mod, torch.nn.Linear) and mod.bias is None and name != "lm_head":
@@ -116,7 +117,7 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str 
                 q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
                 d = np.full((n, k // 32), 0.01, np.float32)
                 parent, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent), attr, Int4Linear(q, d, -8 * d, dtype=dtype))
+                setattr(model.get_submodule(parent), attr, linear(q, d, -8 * d, dtype=dtype))
     elif weights == "int8":
         quantize_int8(model, names=[n for n, m in model.named_modules()
                                     if isinstance(m, torch.nn.Linear) and n != "lm_head"])
@@ -126,10 +127,13 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str 
 
 
 def head_kinds() -> tuple[str, ...]:
-    """The LM-head kinds this PyTorch build can run (quant.HEAD_KINDS)."""
+    """The LM-head kinds this machine can run (quant.HEAD_KINDS): dynint8 needs a PyTorch build with
+    a dynamic int8 GEMM, q4_1 the kernel built here."""
+    from . import q4_1_kernel
     from .quant import dynamic_int8_available
 
-    return ("int8", "int4") + (("dynint8",) if dynamic_int8_available() else ())
+    return (("int8", "int4") + (("dynint8",) if dynamic_int8_available() else ())
+            + (("q4_1",) if q4_1_kernel.available() else ()))
 
 
 class _Timer:
@@ -294,8 +298,13 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
 
 
 def light_formats(gguf: str | None) -> tuple[str, ...]:
-    """The weight formats a model can load besides dense: int4 needs a GGUF's Q4_1 blocks."""
-    return ("int4", "int8") if gguf else ("int8",)
+    """The weight formats a model can load besides dense: int4 and q4_1 need a GGUF's Q4_1 blocks,
+    q4_1 also the kernel built on this machine (q4_1_kernel)."""
+    from . import q4_1_kernel
+
+    if not gguf:
+        return ("int8",)
+    return ("q4_1",) * q4_1_kernel.available() + ("int4", "int8")
 
 
 def formats_from(result: dict) -> Formats:

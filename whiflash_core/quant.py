@@ -7,6 +7,12 @@ scale = d, zero = m + 8 d. Only d and m are rounded (to bf16, the kernel's scale
 target is numerically close to, but not the same function as, the dequantised bf16 one: it is a
 flag (`--weights int4`), and the float32 reference path stays.
 
+`--weights q4_1` runs the same blocks, exact, through the Q4_1 x Q8 kernel built on this machine
+(q4_1_kernel: activations quantized to int8 per block of 32 and integer dot products, as llama.cpp
+does): 1.9-2.3x PyTorch's int4 kernel at one row and 1.6-2.0x at four (kernel alone, 2 threads,
+AVX-512 machine; 2-3x with AVX2 kernels), 5-25 % on a whole forward, where the weights stream from
+memory. `machine` times it with the others and picks it where it wins.
+
 Decode is bound by reading weights (about 270 MB per token in bf16); int4 reads a quarter of that.
 For many rows (long prefill, big verify) the dense bf16 GEMM is faster, so `Int4Linear` keeps an
 optional dense copy and uses it above `dense_from_rows` rows.
@@ -30,7 +36,7 @@ from torch import nn
 
 from .target import STACKED, TargetModel
 
-WeightFormat = Literal["auto", "dense", "int8", "int4"]  # auto: whiflash_core.machine picks
+WeightFormat = Literal["auto", "dense", "int8", "int4", "q4_1"]  # auto: whiflash_core.machine picks
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 # The light formats win while few rows are multiplied (decode, verify); the dense bf16 GEMM wins
 # for long prefills (measured: bench/verify_curve.py), so keep both and switch at DENSE_FROM_ROWS.
@@ -108,6 +114,18 @@ class _WeightOnlyLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
 
+def quantize_q4_1(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A dense weight [n, k] in Q4_1's scheme: 4 bits per value, asymmetric per group of 32
+    (w = d * q + m, q in 0..15) -> (q uint8 [n, k], d, m float32 [n, k/32])."""
+    w = weight.detach().float()
+    n, k = w.shape
+    groups = w.reshape(n, k // GROUP, GROUP)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    d = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((groups - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
+    return q.numpy(), d.numpy(), lo.numpy()
+
+
 class Int4Linear(_WeightOnlyLinear):
     """y = x @ W.T with W held as packed int4 + per-group (scale, zero); bias-free.
 
@@ -130,20 +148,45 @@ class Int4Linear(_WeightOnlyLinear):
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor, dense_from_rows: int = 10**9) -> "Int4Linear":
-        """Quantize a dense weight to 4 bits per value, asymmetric per group of 32 (Q4_1's
-        scheme: w = d * q + m, q in 0..15); keeps `weight` (shared, not copied) as the dense copy.
+        """`weight` in Q4_1 blocks (quantize_q4_1), kept (shared, not copied) as the dense copy.
         For the LM head, whose candidates the target refines in float32 (TargetModel.logits)."""
-        w = weight.detach().float()
-        n, k = w.shape
-        groups = w.reshape(n, k // GROUP, GROUP)
-        lo, hi = groups.amin(-1), groups.amax(-1)
-        d = ((hi - lo) / 15).clamp(min=1e-12)
-        q = ((groups - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).reshape(n, k)
-        return cls(q.numpy(), d.numpy(), lo.numpy(), weight, dense_from_rows, weight.dtype)
+        return cls(*quantize_q4_1(weight), weight, dense_from_rows, weight.dtype)
 
     def kernel(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), self.packed,
                                                          GROUP, self.scales_and_zeros).to(x2.dtype)
+
+
+class Q41Linear(_WeightOnlyLinear):
+    """y = x @ W.T with W in the GGUF's own Q4_1 blocks (exact fp16 d and m), multiplied as llama.cpp
+    does: each row of x quantized to int8 per block of 32, integer dot products (q4_1_kernel; built
+    on this machine at first use). Bias-free. x may be bf16 or float32, y comes back in x's dtype.
+
+    A different function from Int4Linear's (which dequantises to bf16 and multiplies in floating
+    point): the int8 activations round once more. Like every format it is only ever compared with
+    itself: each emitted token is the argmax of the forward that verified it.
+    """
+
+    def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray, dense: torch.Tensor | None = None,
+                 dense_from_rows: int = 10**9, dtype: torch.dtype | None = None):
+        super().__init__()
+        from . import q4_1_kernel
+
+        n, k = q.shape
+        self.in_features, self.out_features = k, n
+        self.qw, self.dw, self.mw = q4_1_kernel.pack(q, d, m)
+        self.weight = dense
+        self.dense_from_rows = dense_from_rows
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor, dense_from_rows: int = 10**9) -> "Q41Linear":
+        """`weight` in Q4_1 blocks (quantize_q4_1), kept (shared, not copied) as the dense copy."""
+        return cls(*quantize_q4_1(weight), weight, dense_from_rows)
+
+    def kernel(self, x2: torch.Tensor) -> torch.Tensor:
+        from . import q4_1_kernel
+
+        return q4_1_kernel.matmul(x2, self.qw, self.dw, self.mw).to(x2.dtype)
 
 
 class Int8Linear(_WeightOnlyLinear):
@@ -200,7 +243,8 @@ class DynInt8Linear(_WeightOnlyLinear):
         return torch.ops.quantized.linear_dynamic(x2.float().contiguous(), self.packed, False).to(x2.dtype)
 
 
-HEAD_KINDS = {"int8": Int8Linear, "dynint8": DynInt8Linear, "int4": Int4Linear.from_dense}
+HEAD_KINDS = {"int8": Int8Linear, "dynint8": DynInt8Linear, "int4": Int4Linear.from_dense,
+              "q4_1": Q41Linear.from_dense}
 
 
 def quantize_head(model: nn.Module, kind: str, dense_from_rows: int = 10**9) -> None:
@@ -230,8 +274,10 @@ def quantize_int8(module: nn.Module, dense_from_rows: int = 10**9, names: list[s
     return len(names)
 
 
-def quantize_target_int4(model: TargetModel, gguf_path: str, dense_from_rows: int = 10**9) -> int:
-    """Swap the target's Q4_1 linears for Int4Linear in place; returns how many were swapped.
+def quantize_target_int4(model: TargetModel, gguf_path: str, dense_from_rows: int = 10**9,
+                         kind: type = Int4Linear) -> int:
+    """Swap the target's Q4_1 linears for `kind` (Int4Linear or Q41Linear) in place; returns how
+    many were swapped.
 
     The GGUF's q/k/v and gate/up tensors are stacked by rows as the target stacks them (STACKED).
     Checks on the way that d*q + m reproduces the dequantised weights the model was loaded with,
@@ -256,7 +302,7 @@ def quantize_target_int4(model: TargetModel, gguf_path: str, dense_from_rows: in
         if not torch.allclose(deq.to(w.dtype).float(), w.float(), rtol=0, atol=1e-2 * float(w.abs().max())):
             raise ValueError(f"{name}: GGUF Q4_1 blocks do not match the loaded weights")
         dense = w if dense_from_rows < 10**9 else None
-        setattr(parent, attr, Int4Linear(q, d, m, dense, dense_from_rows, dtype=w.dtype))
+        setattr(parent, attr, kind(q, d, m, dense, dense_from_rows, dtype=w.dtype))
         swapped += 1
     return swapped
 
@@ -266,18 +312,25 @@ def apply_weight_format(model: TargetModel, weights: str, gguf_path: str | None 
     """Put a loaded bf16 (or float32) target into weight format `weights` in place; from
     `dense_from_rows` rows on its linears use the dense weights.
 
-    int4 runs the GGUF's own Q4_1 blocks (`gguf_path`) through the CPU int4 matmul; int8 quantises
-    every linear per output row (any target). Either way the LM head (not Q4_1 in the GGUF) is
+    int4 runs the GGUF's own Q4_1 blocks (`gguf_path`) through PyTorch's CPU int4 matmul, q4_1 the
+    same blocks through the Q4_1 x Q8 kernel built here (q4_1_kernel); int8 quantises every linear
+    per output row (any target). Either way the LM head (not Q4_1 in the GGUF) is
     `head` (HEAD_KINDS), whichever `machine` measured faster.
     """
     if weights not in WEIGHT_FORMATS or weights == "auto":
         raise ValueError(f"unknown weight format {weights!r} (one of {', '.join(WEIGHT_FORMATS)})")
     if weights != "dense" and model.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"{weights} weights run with bfloat16 or float32 activations")
-    if weights == "int4":
+    if weights in ("int4", "q4_1"):
         if gguf_path is None:
-            raise ValueError("int4 weights need a GGUF with Q4_1 blocks (the embedded default or a .gguf path)")
-        quantize_target_int4(model, gguf_path, dense_from_rows=dense_from_rows)
+            raise ValueError(f"{weights} weights need a GGUF with Q4_1 blocks (the embedded default or a .gguf path)")
+        if weights == "q4_1":
+            from . import q4_1_kernel
+            if not q4_1_kernel.available():
+                raise ValueError("q4_1 weights need the Q4_1 kernel, which could not be built here "
+                                 "(a C compiler and an x86-64 CPU with AVX2); use int4")
+        quantize_target_int4(model, gguf_path, dense_from_rows=dense_from_rows,
+                             kind=Q41Linear if weights == "q4_1" else Int4Linear)
     elif weights == "int8":
         quantize_int8(model, dense_from_rows, names=[n for n, m in model.named_modules()
                                                       if isinstance(m, nn.Linear) and m.bias is None and n != "lm_head"])

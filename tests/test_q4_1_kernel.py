@@ -1,0 +1,135 @@
+"""The Q4_1 x Q8 kernel (whiflash_core/kernels/q4_1.c) built on this machine: the function it
+computes, its fallback where it cannot be built, and a target running on it."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from whiflash_core import q4_1_kernel
+from whiflash_core.quant import Q41Linear, apply_weight_format, quantize_target_int4
+
+# rerun with the AVX2 kernels forced (.ci/run): the kernel is then built for the AVX2 class
+pytestmark = pytest.mark.numerics
+
+BUILDABLE = q4_1_kernel.isa() is not None and q4_1_kernel._compiler() is not None
+needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="no C compiler or no x86-64 CPU with AVX2 here: "
+                                  "the engine keeps PyTorch's int4 kernel (test_fallback_* checks that)")
+
+
+def _blocks(n: int, k: int, seed: int = 0):
+    """Random Q4_1 blocks with fp16-exact d and m (the kernel keeps them in fp16, as the GGUF does)."""
+    rng = np.random.default_rng(seed)
+    q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, size=(n, k // 32)).astype(np.float16).astype(np.float32)
+    m = (-8 * d * rng.uniform(0.5, 1.5, size=d.shape)).astype(np.float16).astype(np.float32)
+    return q, d, m
+
+
+@needs_kernel
+def test_the_kernel_builds_where_a_compiler_and_avx2_exist():
+    assert q4_1_kernel.available()
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", [64, 96, 192, 448, 576, 1536])  # every mix of groups of 8, 4 and 2 blocks
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_computes_the_q4_1_times_q8_function(k, dtype):
+    """Against the same function in float64 (activations quantized per block of 32 to int8, exact
+    integer dot products, then the scales): equal up to float32 rounding, for 1 to 9 rows (tiles of
+    4 and 2 rows and the single-row path) and for output counts that are not a multiple of a tile."""
+    n = 52
+    q, d, m = _blocks(n, k, seed=k)
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+        got = q4_1_kernel.matmul(x, qw, dw, mw)
+        want = q4_1_kernel.reference(x, torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(m))
+        assert got.shape == (rows, n) and got.dtype == torch.float32
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err < 1e-5, (k, rows, float(err))
+        # and it is Q4_1: close to the dequantised weights times the unquantized x
+        w = torch.from_numpy((q.reshape(n, -1, 32) * d[..., None] + m[..., None]).reshape(n, k)).double()
+        exact = x.double() @ w.T
+        assert (got.double() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@needs_kernel
+def test_a_zero_row_stays_zero_and_rows_do_not_mix():
+    q, d, m = _blocks(40, 576)
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+    x = torch.randn(4, 576)
+    x[1] = 0
+    both = q4_1_kernel.matmul(x, qw, dw, mw)
+    assert torch.equal(both[1], torch.zeros(40))
+    for r in range(4):  # a row's result does not depend on the rows beside it
+        assert torch.equal(both[r], q4_1_kernel.matmul(x[r:r + 1], qw, dw, mw)[0])
+
+
+@needs_kernel
+def test_embedded_model_runs_on_its_own_q4_1_blocks_through_the_kernel():
+    from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+    from whiflash_core.loading import from_hf, load_hf_model
+
+    hf, _ = load_hf_model(None)
+    dense = from_hf(hf, torch.bfloat16)
+    light = from_hf(hf, torch.bfloat16)
+    # raises if any packed block differs from the weights transformers dequantised
+    gguf = os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
+    assert quantize_target_int4(light, gguf, kind=Q41Linear) == 30 * 4
+    ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
+    a = dense(ids, dense.new_cache(64)).logits
+    b = light(ids[:20], light.new_cache(64), logits_from=0).logits  # 20 rows: the kernel, not a dense copy
+    assert torch.nn.functional.cosine_similarity(a[:20], b, dim=-1).min() > 0.98
+    # (greedy agreement on a real prompt: test_quant.py's test_light_formats_keep_the_greedy_choice_*)
+
+
+@needs_kernel
+def test_every_token_of_a_q4_1_target_is_the_argmax_of_its_verify_forward():
+    from test_any_cpu import PROMPTS, ForwardLog, replay_greedy
+    from whiflash_core.chat import encode_chat
+    from whiflash_core.engine import GenerationRequest, SpeculationConfig
+    from whiflash_core.loading import load_engine
+
+    engine = load_engine(dtype="bfloat16", weights="q4_1")
+    assert isinstance(engine.target.layers[0].mlp.down_proj, Q41Linear)
+    ids = encode_chat(engine.tokenizer, PROMPTS[1])
+    log = ForwardLog(engine.target)
+    try:
+        gen = engine.generate(GenerationRequest(ids, 40, speculation=SpeculationConfig(method="whiflash")))
+    finally:
+        log.close()
+    assert gen.output == replay_greedy(log.calls)[:len(gen.output)]
+    assert len(log.calls) - 1 < len(gen.output)  # multi-token verifies decided tokens
+
+
+def test_fallback_without_a_compiler(monkeypatch):
+    """No compiler: the kernel is not available, q4_1 is not among the formats `--weights auto`
+    times, and asking for it by name is a clear error."""
+    from whiflash_core.machine import head_kinds, light_formats
+    from tiny import tiny_target
+
+    monkeypatch.setattr(q4_1_kernel, "_compiler", lambda: None)
+    q4_1_kernel._library.cache_clear()
+    try:
+        assert not q4_1_kernel.available()
+        assert "q4_1" not in light_formats("model.gguf") and "int4" in light_formats("model.gguf")
+        assert "q4_1" not in head_kinds()
+        with pytest.raises(ValueError, match="q4_1 weights need the Q4_1 kernel"):
+            apply_weight_format(tiny_target(torch.bfloat16), "q4_1", "model.gguf")
+    finally:
+        q4_1_kernel._library.cache_clear()
+
+
+def test_a_failed_build_is_a_fallback_too(monkeypatch, tmp_path):
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(q4_1_kernel, "SOURCE", tmp_path / "broken.c")
+    (tmp_path / "broken.c").write_text("this is not C\n")
+    q4_1_kernel._library.cache_clear()
+    try:
+        assert not q4_1_kernel.available()
+        assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
+    finally:
+        q4_1_kernel._library.cache_clear()

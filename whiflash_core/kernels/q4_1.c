@@ -1,0 +1,269 @@
+// y[M, N] = x[M, K] @ W[N, K]^T with W in the GGUF's Q4_1 blocks, multiplied as llama.cpp does.
+//
+// Q4_1: blocks of 32 weights along K, w = d * q + m, q in 0..15, d and m fp16.
+// Each row of x is quantized per block of 32 to int8 (Q8_1): x ~ dx * qx, |qx| <= 127, with
+// sx = dx * sum(qx). Then one block of the dot product is
+//     sum_i (d q_i + m) (dx qx_i) = d * dx * sum_i q_i qx_i  +  m * sx
+// where sum_i q_i qx_i is an exact integer dot product of unsigned 4-bit by signed 8-bit values
+// (VNNI's dpbusd; maddubs on plain AVX2).
+//
+// Blocks in lanes. A dpbusd adds 4 byte products into each of its int32 lanes. The data are laid out
+// so that lane j always holds block j of a group of 8 consecutive blocks (4 or 2 in the last,
+// short groups): 8 dpbusd in a row leave the group's 8 whole integer dot products in the 8 lanes, and one
+// convert, one multiply by the 8 blocks' d * dx and two FMAs (the m * sx terms too) finish 8 blocks
+// at once, where a block-at-a-time loop spends those 4 instructions on every block.
+//   nb = K / 32 blocks, np = nb rounded up to even (a padding block is zero); groups of 8 blocks,
+//   then one of 4 if np % 8 >= 4, then one of 2 if np % 4 == 2 (K = 576: 8 + 8 + 2)
+//   vector v (0..7) of a group: lane j = elements 4v..4v+3 of the group's block j
+//       (32 bytes; 16 or 8 in the short groups)
+//   qw [N, np * 16] bytes: per group, vectors 2i and 2i + 1 share bytes as low and high nibbles
+//       (q4_1_kernel.pack writes them)
+//   dw, mw [N, np] fp16, the GGUF's own d and m
+//   per row of x (laid out here, per call): qx [np * 32] int8 in the same vector order, dx and sx
+//       [np] float32
+//
+// Built on the machine that runs it (whiflash_core/q4_1_kernel.py: cc -O3 -march=native, or the
+// AVX2 class when ATEN_CPU_CAPABILITY=avx2 forces it), loaded with ctypes, threaded with the
+// OpenMP runtime PyTorch already loaded (same libgomp soname, so one thread pool).
+#include <immintrin.h>
+#include <omp.h>
+#include <stdint.h>
+
+#define QK 32
+#define MAX_ROWS 4  // rows of x multiplied per pass over a weight row (more rows: several passes)
+#ifndef PREFETCH_ROWS
+#define PREFETCH_ROWS 32  // weight rows fetched ahead (see tile)
+#endif
+
+static inline int64_t padded_blocks(int64_t K) { return (K / QK + 1) / 2 * 2; }
+
+// The short groups' first blocks: [full8, four) in groups of 8, [four, two) one of 4, [two, np) one of 2.
+static inline int64_t full8(int64_t np) { return np / 8 * 8; }
+static inline int64_t four_end(int64_t np) { return full8(np) + (np % 8 >= 4 ? 4 : 0); }
+
+// ------------------------------------------------------------------ activations -> Q8 blocks
+
+static inline __m256 load8(const void *x, int bf16, int64_t i) {
+    if (bf16) {  // bf16 is the top half of a float32
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)x + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)x + i);
+}
+
+// Where word v (elements 4v..4v+3) of block b goes in qx: its group's vector v, lane b's place.
+static inline int64_t word_offset(int64_t b, int64_t v, int64_t np) {
+    const int64_t f = full8(np), e = four_end(np);
+    if (b < f) return (b / 8) * 256 + 32 * v + 4 * (b % 8);
+    if (b < e) return f * QK + 16 * v + 4 * (b - f);
+    return e * QK + 8 * v + 4 * (b - e);
+}
+
+// One row of K values (K a multiple of 32) -> its qx, dx and sx (layouts above).
+static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
+    const int64_t nb = K / QK, np = padded_blocks(K);
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t b = 0; b < np; b++) {
+        int32_t words[8] = {0};  // the block's 32 int8 values, 4 to a word
+        float d = 0.0f, s = 0.0f;
+        if (b < nb) {
+            __m256 v[4];
+            __m256 amax = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = load8(x, bf16, b * QK + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+            d = _mm_cvtss_f32(m4) / 127.0f;
+            const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+            __m256i q[4];
+            __m256i sum = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {  // round to nearest (even), as llama.cpp's AVX2 path
+                q[j] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[j], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+                sum = _mm256_add_epi32(sum, q[j]);
+            }
+            // int32 x 32 -> int8 x 32 in order (packs interleave 128-bit lanes: permute back)
+            __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)words, bytes);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+            s4 = _mm_hadd_epi32(s4, s4);
+            s4 = _mm_hadd_epi32(s4, s4);
+            s = d * (float)_mm_cvtsi128_si32(s4);
+        }
+        for (int v = 0; v < 8; v++) *(int32_t *)(qx + word_offset(b, v, np)) = words[v];
+        dx[b] = d;
+        sx[b] = s;
+    }
+}
+
+// ------------------------------------------------------------------ the integer dot products
+// step adds w_i * x_i (w 0..15, x int8) 4 bytes at a time into each int32 lane; finish adds two
+// such accumulators into 8 (or 4) int32 lane sums. Without VNNI the products collect in int16
+// (maddubs), which holds the 8 of a group: 8 * 2 * 15 * 127 < 2^15.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i step8(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_epi32(a, w, x); }
+static inline __m128i step4(__m128i a, __m128i w, __m128i x) { return _mm_dpbusd_epi32(a, w, x); }
+#define VNNI 1
+#elif defined(__AVXVNNI__)
+static inline __m256i step8(__m256i a, __m256i w, __m256i x) { return _mm256_dpbusd_avx_epi32(a, w, x); }
+static inline __m128i step4(__m128i a, __m128i w, __m128i x) { return _mm_dpbusd_avx_epi32(a, w, x); }
+#define VNNI 1
+#else
+static inline __m256i step8(__m256i a, __m256i w, __m256i x) { return _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x)); }
+static inline __m128i step4(__m128i a, __m128i w, __m128i x) { return _mm_add_epi16(a, _mm_maddubs_epi16(w, x)); }
+#define VNNI 0
+#endif
+static inline __m256i finish8(__m256i a, __m256i b) {
+    return VNNI ? _mm256_add_epi32(a, b) : _mm256_madd_epi16(_mm256_add_epi16(a, b), _mm256_set1_epi16(1));
+}
+static inline __m128i finish4(__m128i a, __m128i b) {
+    return VNNI ? _mm_add_epi32(a, b) : _mm_madd_epi16(_mm_add_epi16(a, b), _mm_set1_epi16(1));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// 128-bit loads of the short groups: 16 bytes for a group of 4, the low 8 (rest zero) for one of 2.
+static inline __m128i load_short(const void *p, int width) {
+    return width == 4 ? _mm_loadu_si128((const __m128i *)p) : _mm_loadl_epi64((const __m128i *)p);
+}
+static inline __m128 load_short_ps(const float *p, int width) {
+    return width == 4 ? _mm_loadu_ps(p) : _mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)p));
+}
+static inline __m128 load_short_ph(const uint16_t *p, int width) {
+    return _mm_cvtph_ps(width == 4 ? _mm_loadl_epi64((const __m128i *)p) : _mm_cvtsi32_si128(*(const int32_t *)p));
+}
+
+// A short group (width 4 or 2 blocks from block `start`) of tile(): the same in 128-bit vectors,
+// added into the low lanes of the accumulators.
+static inline __attribute__((always_inline)) void short_group(const int R, const int NR, const int width,
+        int64_t start, int64_t n, int64_t np, const uint8_t *qw, const uint16_t *dw, const uint16_t *mw,
+        const int8_t *qx, const float *dx, const float *sx, __m256 acc[NR][R]) {
+    for (int u = 0; u < NR; u++) {
+        const uint8_t *wq = qw + (n + u) * np * 16 + start * 16;
+        __m128i i0[R], i1[R];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm_setzero_si128();
+        for (int i = 0; i < 4; i++) {
+            const __m128i t = load_short(wq + 4 * width * i, width), low = _mm_set1_epi8(0x0F);
+            const __m128i lo = _mm_and_si128(t, low), hi = _mm_and_si128(_mm_srli_epi16(t, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int8_t *xr = qx + r * np * QK + start * QK + 8 * width * i;
+                i0[r] = step4(i0[r], lo, load_short(xr, width));
+                i1[r] = step4(i1[r], hi, load_short(xr + 4 * width, width));
+            }
+        }
+        const __m128 wd = load_short_ph(dw + (n + u) * np + start, width);
+        const __m128 wm = load_short_ph(mw + (n + u) * np + start, width);
+        for (int r = 0; r < R; r++) {
+            const __m128 scale = _mm_mul_ps(wd, load_short_ps(dx + r * np + start, width));
+            __m128 a = _mm_mul_ps(_mm_cvtepi32_ps(finish4(i0[r], i1[r])), scale);
+            a = _mm_fmadd_ps(wm, load_short_ps(sx + r * np + start, width), a);
+            acc[u][r] = _mm256_add_ps(acc[u][r], _mm256_set_m128(_mm_setzero_ps(), a));
+        }
+    }
+}
+
+// y[r, n + u] for R rows of x (r < R) and NR output rows (u < NR); R and NR are constants at each
+// call, so the R * NR * 2 integer accumulators (two chains: a dpbusd's latency) stay in registers.
+static inline __attribute__((always_inline)) void tile(const int R, const int NR, int64_t n, int64_t K, int64_t N,
+        const uint8_t *qw, const uint16_t *dw, const uint16_t *mw, const int8_t *qx, const float *dx,
+        const float *sx, float *y) {
+    const int64_t np = padded_blocks(K), full = full8(np);
+    // Decode streams each weight once from memory: ask for the rows PREFETCH_ROWS ahead now, so
+    // their loads overlap this tile's arithmetic (the hardware prefetcher alone left the kernel
+    // at about half the machine's read bandwidth inside a whole forward).
+    if (n + NR + PREFETCH_ROWS <= N) {
+        const char *ahead = (const char *)(qw + (n + PREFETCH_ROWS) * np * 16);
+        for (int64_t off = 0; off < NR * np * 16; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        const char *sd = (const char *)(dw + (n + PREFETCH_ROWS) * np), *sm = (const char *)(mw + (n + PREFETCH_ROWS) * np);
+        for (int64_t off = 0; off < NR * np * 2; off += 64) {
+            _mm_prefetch(sd + off, _MM_HINT_T0);
+            _mm_prefetch(sm + off, _MM_HINT_T0);
+        }
+    }
+    __m256 acc[NR][R];
+    for (int u = 0; u < NR; u++)
+        for (int r = 0; r < R; r++) acc[u][r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < full; g += 8) {  // groups of 8 blocks
+        for (int u = 0; u < NR; u++) {
+            const uint8_t *wq = qw + (n + u) * np * 16 + g * 16;
+            __m256i i0[R], i1[R];
+            for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+            for (int i = 0; i < 4; i++) {
+                const __m256i t = _mm256_loadu_si256((const __m256i *)(wq + 32 * i)), low = _mm256_set1_epi8(0x0F);
+                const __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *xr = qx + r * np * QK + g * QK + 64 * i;
+                    i0[r] = step8(i0[r], lo, _mm256_loadu_si256((const __m256i *)xr));
+                    i1[r] = step8(i1[r], hi, _mm256_loadu_si256((const __m256i *)(xr + 32)));
+                }
+            }
+            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dw + (n + u) * np + g)));
+            const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mw + (n + u) * np + g)));
+            for (int r = 0; r < R; r++) {
+                const __m256 scale = _mm256_mul_ps(wd, _mm256_loadu_ps(dx + r * np + g));
+                acc[u][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(finish8(i0[r], i1[r])), scale, acc[u][r]);
+                acc[u][r] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(sx + r * np + g), acc[u][r]);
+            }
+        }
+    }
+    if (four_end(np) > full) short_group(R, NR, 4, full, n, np, qw, dw, mw, qx, dx, sx, acc);
+    if (np > four_end(np)) short_group(R, NR, 2, four_end(np), n, np, qw, dw, mw, qx, dx, sx, acc);
+    for (int u = 0; u < NR; u++)
+        for (int r = 0; r < R; r++) y[r * N + n + u] = hsum(acc[u][r]);
+}
+
+// Output rows [n0, n1) for R (1..MAX_ROWS) rows of quantized x: a few output rows at a time while
+// x has few rows, so there are always several independent chains in flight.
+static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint8_t *qw, const uint16_t *dw,
+                 const uint16_t *mw, const int8_t *qx, const float *dx, const float *sx, float *y) {
+    int64_t n = n0;
+    switch (R) {
+        case 1: for (; n + 4 <= n1; n += 4) tile(1, 4, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
+        case 2: for (; n + 2 <= n1; n += 2) tile(2, 2, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
+        case 3: for (; n < n1; n++) tile(3, 1, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
+        default: for (; n < n1; n++) tile(4, 1, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
+    }
+    for (; n < n1; n++) {  // the last few output rows of R = 1 or 2
+        if (R == 1) tile(1, 1, n, K, N, qw, dw, mw, qx, dx, sx, y);
+        else tile(2, 1, n, K, N, qw, dw, mw, qx, dx, sx, y);
+    }
+}
+
+// ------------------------------------------------------------------ entry points
+
+// Blocks per weight row after padding (the row strides of qw: 16 bytes a block; dw, mw: 1 each).
+int64_t q4_1_padded_blocks(int64_t K) { return padded_blocks(K); }
+
+// Bytes of work memory q4_1_matmul needs for M rows of K.
+int64_t q4_1_work_bytes(int64_t M, int64_t K) { return M * padded_blocks(K) * (QK + 2 * 4); }
+
+// x [M, K] (float32, or bf16 when x_bf16), qw / dw / mw as above, y [M, N] float32,
+// work: q4_1_work_bytes(M, K) bytes, 4-byte aligned.
+void q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
+                 const uint16_t *mw, int64_t N, float *y, int8_t *work) {
+    const int64_t np = padded_blocks(K);
+    int8_t *qx = work;
+    float *dx = (float *)(work + M * np * QK), *sx = dx + M * np;
+    const int64_t row_bytes = K * (x_bf16 ? 2 : 4);
+    for (int64_t r = 0; r < M; r++)
+        quantize_row((const char *)x + r * row_bytes, x_bf16, K, qx + r * np * QK, dx + r * np, sx + r * np);
+#pragma omp parallel
+    {
+        // contiguous output rows per thread, in multiples of 4 (a tile of R = 1)
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t chunk = ((N + threads - 1) / threads + 3) / 4 * 4;
+        const int64_t n0 = t * chunk < N ? t * chunk : N, n1 = n0 + chunk < N ? n0 + chunk : N;
+        for (int64_t r = 0; r < M && n0 < n1; r += MAX_ROWS) {
+            const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
+            rows(R, n0, n1, K, N, qw, dw, mw, qx + r * np * QK, dx + r * np, sx + r * np, y + r * N);
+        }
+    }
+}

@@ -1,0 +1,190 @@
+"""The Q4_1 x Q8 matmul of kernels/q4_1.c: built here with the system C compiler, called with ctypes.
+
+PyTorch's CPU int4 kernel (quant.Int4Linear) dequantises its weights to bf16 and multiplies in
+floating point; llama.cpp instead quantizes each activation row to int8 per block of 32 and runs
+integer dot products (VNNI dpbusd, or AVX2 maddubs), which at 1-4 rows is what a decode step and a
+short verify need. The C file is small and plain (no PyTorch headers), so it builds in about a
+second at first use, for this CPU (-march=native) or, when PyTorch is forced to its AVX2 kernels
+(ATEN_CPU_CAPABILITY=avx2), for the AVX2 class, and is cached beside the format timings
+(~/.cache/whiflash/kernels, or $WHIFLASH_CACHE_DIR/kernels). Where there is no C compiler, no
+x86-64 with AVX2 or the build fails, `available()` is False and the engine keeps PyTorch's kernels
+(machine.light_formats): the format is then simply not among the candidates.
+
+The call releases the GIL (ctypes does) and runs on the OpenMP pool PyTorch loaded (same libgomp).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "kernels" / "q4_1.c"
+GROUP = 32
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def isa() -> str | None:
+    """Which instruction set the kernel is built for here: "avx2" (forced by ATEN_CPU_CAPABILITY,
+    or what the CPU has), "native" (-march=native: VNNI where the CPU has it), or None (no AVX2)."""
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+        return None
+    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
+    if forced == "default":
+        return None
+    return "avx2" if forced == "avx2" else "native"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def _flags(kind: str) -> list[str]:
+    arch = ["-march=haswell"] if kind == "avx2" else ["-march=native"]
+    return ["-O3", *arch, "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("WHIFLASH_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "whiflash")
+    return Path(root) / "kernels"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    kind, cc = isa(), _compiler()
+    if kind is None or cc is None:
+        return None
+    flags = _flags(kind)
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    # -march=native means this CPU: its flags are part of the key, with the source and compiler
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
+                                     " ".join(sorted(_cpu_flags())).encode()])).hexdigest()[:16]
+    path = _cache_dir() / f"q4_1-{kind}-{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
+        os.close(fd)
+        try:
+            done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+            if done.returncode != 0:
+                return None
+            os.replace(tmp, path)  # atomic: processes building at once each install a whole file
+            for old in path.parent.glob(f"q4_1-{kind}-*.so"):  # builds of an older source or compiler
+                if old != path:
+                    old.unlink(missing_ok=True)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    try:
+        lib = ctypes.CDLL(str(path))  # torch is imported, so its libgomp is the one this links to
+    except OSError:
+        return None
+    fn = lib.q4_1_matmul
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i64, p, p]
+    fn.restype = None
+    lib.q4_1_work_bytes.argtypes = [i64, i64]
+    lib.q4_1_work_bytes.restype = i64
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel built (or was built before) and loaded on this machine."""
+    return _library() is not None
+
+
+def padded_blocks(k: int) -> int:
+    """Blocks of 32 per row after the kernel's padding: an even count (kernels/q4_1.c)."""
+    return -(-(k // GROUP) // 2) * 2
+
+
+def groups(np_: int) -> list[tuple[int, int]]:
+    """(first block, width) of the kernel's groups of blocks in a row of np_ (padded) blocks:
+    8 at a time, then one of 4 and one of 2 as np_ needs."""
+    full = np_ // 8 * 8
+    out = [(g, 8) for g in range(0, full, 8)]
+    if np_ % 8 >= 4:
+        out.append((full, 4))
+    if np_ % 4 == 2:
+        out.append((np_ - 2, 2))
+    return out
+
+
+def pack(q, d, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_1 blocks (q uint8 [N, K] with values 0..15, d and m [N, K/32]; numpy or torch) -> the
+    kernel's (qw, dw, mw), blocks in lanes (kernels/q4_1.c): in each group of 8 blocks (the last
+    ones maybe 4 and 2: `groups`), vector v holds elements 4v..4v+3 of block j in lane j, vectors 2i and 2i + 1 sharing
+    bytes as low and high nibbles; d and m fp16 (the GGUF's own precision); zero-padded."""
+    q = torch.as_tensor(q, dtype=torch.uint8)
+    n, k = q.shape
+    nb, np_ = k // GROUP, padded_blocks(k)
+    blocks = torch.zeros(n, np_, GROUP, dtype=torch.uint8)
+    blocks[:, :nb] = q.reshape(n, nb, GROUP)
+    parts = []
+    for start, width in groups(np_):
+        # [n, lane j, vector v, 4 bytes] -> [n, v, j, 4]
+        vectors = blocks[:, start:start + width].reshape(n, width, 8, 4).transpose(1, 2)
+        parts.append((vectors[:, 0::2] | (vectors[:, 1::2] << 4)).reshape(n, width * 16))
+    qw = torch.cat(parts, dim=1).contiguous()
+
+    def scales(a) -> torch.Tensor:
+        out = torch.zeros(n, np_, dtype=torch.float16)
+        out[:, :nb] = torch.as_tensor(a).to(torch.float16)
+        return out
+
+    return qw, scales(d), scales(m)
+
+
+def matmul(x2: torch.Tensor, qw: torch.Tensor, dw: torch.Tensor, mw: torch.Tensor) -> torch.Tensor:
+    """x2 [M, K] float32 or bf16 @ W.T -> [M, N] float32, W the Q4_1 blocks as `pack` lays them out."""
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the Q4_1 kernel is not available on this machine (see q4_1_kernel.available)")
+    if x2.dtype not in (torch.float32, torch.bfloat16):
+        x2 = x2.float()
+    x2 = x2.contiguous()
+    m, k = x2.shape
+    n = qw.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    work = torch.empty(lib.q4_1_work_bytes(m, k), dtype=torch.int8)  # 64-byte aligned (PyTorch's allocator)
+    lib.q4_1_matmul(x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, qw.data_ptr(), dw.data_ptr(),
+                    mw.data_ptr(), n, y.data_ptr(), work.data_ptr())
+    return y
+
+
+def reference(x2: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The same function in float64 PyTorch, for tests: x quantized per block of 32 to int8 (round
+    half to even), then sum_b (d dx) (q . qx) + m sx. q uint8 [N, K], d and m [N, K/32]."""
+    x = x2.double()
+    rows, k = x.shape
+    xb = x.reshape(rows, k // GROUP, GROUP)
+    dx = (xb.abs().amax(-1) / 127.0).float().double()           # the kernel's scale is a float32
+    inv = torch.where(dx > 0, 1.0 / dx, torch.zeros_like(dx)).float().double()
+    qx = torch.round((xb.float() * inv.float()[..., None]).double()).clamp(-127, 127)
+    sx = (dx * qx.sum(-1)).float().double()
+    qb = q.double().reshape(q.shape[0], k // GROUP, GROUP)
+    dots = torch.einsum("rbi,nbi->rnb", qx, qb)                  # exact integers
+    return (dots * (d.double()[None] * dx[:, None]) ).sum(-1) + sx @ m.double().T
