@@ -17,7 +17,8 @@ the shapes of the model it is about to load, and picks per phase:
   another dtype than decode's, the target gets a float32 twin for long inputs
   (`TargetModel.set_prefill_twin`), from the smallest measured row count where the twin wins.
 
-Timing runs on random weights of the real shapes: a model with no layers (embedding, norm, head)
+Timing runs on random weights of the real shapes, FORMATS_CONTEXT positions cached (an agent
+conversation's length): a model with no layers (embedding, norm, head)
 and one with n = min(L, 8) layers give the whole model's cost as T0 + (L / n) * (Tn - T0) without
 building all of it. Each figure is the best of a few runs (interference only adds time). It takes
 seconds to a minute, once: it is cached per CPU model, ISA flags, thread count, torch
@@ -42,10 +43,15 @@ DECODE_ROWS = (1, 4, 8)
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # the router's verify-cost table (costs.py)
 PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
 LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well before 64 rows
-CONTEXT = 256  # cached positions the timed forwards attend to
+CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (verify_table)
+# cached positions the format timings attend to: an agent conversation's length (system prompt, tool
+# schemas, earlier turns), where reading the KV cache is a good part of a decode step; at 256
+# positions float32 activations (a float32 KV cache) timed fastest natively, and were 12 % slower
+# than bf16 in plain decode of the 580-2,500-token agentic workload (bench/results/agentic_native.json)
+FORMATS_CONTEXT = 1024
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 6
+CACHE_VERSION = 7
 VERIFY_CACHE_VERSION = 1
 
 
@@ -137,20 +143,22 @@ def head_kinds() -> tuple[str, ...]:
 
 
 class _Timer:
-    """One model of a candidate with CONTEXT positions cached, timed for r new rows at a time."""
+    """One model of a candidate with FORMATS_CONTEXT positions cached, timed for r new rows at a time."""
 
     def __init__(self, model):
         self.model = model
-        self.ids = torch.randint(0, model.cfg.vocab_size, (CONTEXT + max(PREFILL_ROWS),),
+        n = FORMATS_CONTEXT
+        self.ids = torch.randint(0, model.cfg.vocab_size, (n + max(PREFILL_ROWS),),
                                  generator=torch.Generator().manual_seed(0))
-        self.cache = model.new_cache(CONTEXT + max(PREFILL_ROWS))
-        model(self.ids[:CONTEXT], self.cache, logits_from=CONTEXT - 1)
+        self.cache = model.new_cache(n + max(PREFILL_ROWS))
+        model(self.ids[:n], self.cache, logits_from=n - 1)
 
     def once(self, r: int) -> float:
+        n = FORMATS_CONTEXT
         t0 = time.perf_counter()
-        self.model(self.ids[CONTEXT:CONTEXT + r], self.cache, logits_from=r - 1)
+        self.model(self.ids[n:n + r], self.cache, logits_from=r - 1)
         elapsed = time.perf_counter() - t0
-        self.cache.rollback(CONTEXT)
+        self.cache.rollback(n)
         return elapsed
 
 
@@ -253,7 +261,8 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
             print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), file=sys.stderr,
                   flush=True)   # stderr: `whiflash info --json` prints only the JSON to stdout
     formats = choose(table, candidates)
-    result = {"machine": info, "shape": shape, "seconds": round(time.perf_counter() - started, 2),
+    result = {"machine": info, "shape": shape, "context": FORMATS_CONTEXT,
+              "seconds": round(time.perf_counter() - started, 2),
               "table": {k: {str(r): round(t, 6) for r, t in v.items()} for k, v in table.items()},
               "formats": dataclasses.asdict(formats)}
     _write_json(path, result)
