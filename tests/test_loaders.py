@@ -206,3 +206,26 @@ def test_zlab_dflash_loads_and_roundtrips(tmp_path, schema):
     d2 = DFlashDrafter.load(str(tmp_path / "again"), target, torch.float32)
     tokens2, probs2 = _propose(d2, target, 4)
     assert torch.equal(tokens, tokens2) and torch.equal(probs, probs2)
+
+
+def test_a_gguf_is_converted_once_and_then_loads_the_same_model(tmp_path, monkeypatch):
+    """load_hf_model keeps transformers' conversion of a GGUF as a plain Hugging Face directory in
+    the cache; the next load reads that instead, with the same weights, config and tokenizer."""
+    from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+    from whiflash_core.loading import converted_gguf_dir, load_hf_model
+
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    kept = converted_gguf_dir(os.path.join(embedded_model_dir(), EMBEDDED_GGUF))
+    assert not kept.exists()
+    first, tok1 = load_hf_model(None)  # from the GGUF, then kept
+    assert (kept / "config.json").exists() and (kept / "model.safetensors").exists()
+    assert not list(tmp_path.glob("converted/*.tmp-*"))  # written aside, renamed whole
+    second, tok2 = load_hf_model(None)  # from the kept directory
+    assert os.path.samefile(second.config._name_or_path, kept)
+    a, b = first.state_dict(), second.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert second.lm_head.weight.data_ptr() == second.model.embed_tokens.weight.data_ptr()  # still tied
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    assert tok1.apply_chat_template(chat, add_generation_prompt=True) == tok2.apply_chat_template(
+        chat, add_generation_prompt=True)
+    assert tok1.eos_token_id == tok2.eos_token_id and len(tok1) == len(tok2)

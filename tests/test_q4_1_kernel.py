@@ -1,15 +1,14 @@
 """The Q4_1 x Q8 kernel (whiflash_core/kernels/q4_1.c) built on this machine: the function it
-computes, its fallback where it cannot be built, and a target running on it."""
+computes, its fallback where it cannot be built, and a target running on it (the embedded model on
+its own blocks through it: test_quant.py)."""
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
 import torch
 
 from whiflash_core import q4_1_kernel
-from whiflash_core.quant import Q41Linear, apply_weight_format, quantize_target_int4
+from whiflash_core.quant import Q41Linear, apply_weight_format
 
 # rerun with the AVX2 kernels forced (.ci/run): the kernel is then built for the AVX2 class
 pytestmark = pytest.mark.numerics
@@ -66,24 +65,6 @@ def test_a_zero_row_stays_zero_and_rows_do_not_mix():
     assert torch.equal(both[1], torch.zeros(40))
     for r in range(4):  # a row's result does not depend on the rows beside it
         assert torch.equal(both[r], q4_1_kernel.matmul(x[r:r + 1], qw, dw, mw)[0])
-
-
-@needs_kernel
-def test_embedded_model_runs_on_its_own_q4_1_blocks_through_the_kernel():
-    from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
-    from whiflash_core.loading import from_hf, load_hf_model
-
-    hf, _ = load_hf_model(None)
-    dense = from_hf(hf, torch.bfloat16)
-    light = from_hf(hf, torch.bfloat16)
-    # raises if any packed block differs from the weights transformers dequantised
-    gguf = os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
-    assert quantize_target_int4(light, gguf, kind=Q41Linear) == 30 * 4
-    ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
-    a = dense(ids, dense.new_cache(64)).logits
-    b = light(ids[:20], light.new_cache(64), logits_from=0).logits  # 20 rows: the kernel, not a dense copy
-    assert torch.nn.functional.cosine_similarity(a[:20], b, dim=-1).min() > 0.98
-    # (greedy agreement on a real prompt: test_quant.py's test_light_formats_keep_the_greedy_choice_*)
 
 
 @needs_kernel

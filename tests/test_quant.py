@@ -43,16 +43,23 @@ def test_q4_1_blocks_roundtrip_and_int4_matmul_matches_dense():
 
 
 def test_embedded_model_runs_on_its_own_q4_1_weights():
+    """Through PyTorch's int4 kernel (Int4Linear) and, where it builds, the Q4_1 x Q8 kernel
+    (Q41Linear: the same blocks, activations quantized to int8): 64 rows, all through the kernel."""
+    from whiflash_core import q4_1_kernel
+    from whiflash_core.quant import Q41Linear
+
     hf, _ = load_hf_model(None)
     dense = from_hf(hf, torch.bfloat16)
-    int4 = from_hf(hf, torch.bfloat16)
-    # raises if any packed block differs from the weights transformers dequantised
-    assert quantize_target_int4(int4, os.path.join(embedded_model_dir(), EMBEDDED_GGUF)) == 30 * 4
     ids = torch.randint(0, 49152, (64,), generator=torch.Generator().manual_seed(0))
     a = dense(ids, dense.new_cache(64)).logits
-    b = int4(ids, int4.new_cache(64)).logits
-    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
-    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+    for kind in (Int4Linear,) + ((Q41Linear,) if q4_1_kernel.available() else ()):
+        light = from_hf(hf, torch.bfloat16)
+        # raises if any packed block differs from the weights transformers dequantised
+        assert quantize_target_int4(light, os.path.join(embedded_model_dir(), EMBEDDED_GGUF), kind=kind) == 30 * 4
+        assert isinstance(light.layers[0].self_attn.qkv_proj, kind)
+        b = light(ids, light.new_cache(64)).logits
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98, kind
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8, kind
 
 
 def test_int8_linear_matches_dense_and_switches_to_dense_for_many_rows():

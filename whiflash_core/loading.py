@@ -10,10 +10,13 @@ Drafter directory layout (what `whiflash train` writes and what ships under mode
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 
@@ -21,6 +24,7 @@ from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter,
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
 from . import costs
+from .cache import cache_root
 from .engine import Engine
 from .machine import Formats, formats_from, light_formats, measure
 from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8
@@ -57,16 +61,74 @@ def model_location(path: str | None) -> tuple[str, str | None]:
 
 
 def load_hf_model(path: str | None, gguf_file: str | None = None):
-    """The Hugging Face model and tokenizer (fp32). `path=None` means the embedded default."""
+    """The Hugging Face model and tokenizer (fp32). `path=None` means the embedded default.
+
+    A GGUF is converted by transformers once (dequantised to float32: 11 s for the embedded
+    model's 98 MB, most of every server start and test before) and the result kept as a plain
+    Hugging Face directory under the cache (`converted_gguf_dir`), which then loads in about a
+    second with the same weights, config and tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if gguf_file is None:
         path, gguf_file = model_location(path)
+    if gguf_file:
+        converted = converted_gguf_dir(os.path.join(path, gguf_file))
+        if (converted / "config.json").exists():
+            path, gguf_file = str(converted), None
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(path, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     model.eval()
+    if gguf_file:
+        _keep_converted(model, tok, converted)
     return model, tok
+
+
+GGUF_CONVERSION_VERSION = 1
+
+
+def converted_gguf_dir(gguf_path: str) -> Path:
+    """Where the Hugging Face conversion of this GGUF file is kept: keyed by the file (path, size,
+    modification time) and the transformers version that converted it."""
+    import transformers
+
+    st = os.stat(gguf_path)
+    key = json.dumps([GGUF_CONVERSION_VERSION, os.path.realpath(gguf_path), st.st_size, st.st_mtime_ns,
+                      transformers.__version__])
+    return cache_root() / "converted" / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _keep_converted(model, tok, directory: Path) -> None:
+    """Save a converted model and tokenizer to `directory` atomically (written beside it, then
+    renamed: a process loading at the same time sees all of it or none). Best effort: a full disk
+    or a read-only cache only costs the next start the conversion again."""
+    tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
+    try:
+        import copy
+
+        from safetensors.torch import save_file
+
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+        # transformers will not save_pretrained a model it loaded from a GGUF ("quantized with gguf"):
+        # the weights are plain float32 by now, so write them and the config without that mark
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        state = model.state_dict()
+        if getattr(config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)  # the tied copy: safetensors stores a tensor once
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        tok.save_pretrained(tmp)
+        os.rename(tmp, directory)
+    except (OSError, ValueError, RuntimeError) as e:
+        if not (directory / "config.json").exists():  # else another process kept it first
+            log.warning("could not keep the converted GGUF under %s (%s); the next start converts it again",
+                        directory, e)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def from_hf(hf_model, dtype: torch.dtype = torch.bfloat16) -> TargetModel:

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .cache import cache_root
+
 DECODE_ROWS = (1, 4, 8)
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # the router's verify-cost table (costs.py)
 PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
@@ -88,8 +90,7 @@ def cpu_info() -> dict:
 
 
 def _cache_path(key: dict, kind: str = "formats") -> str:
-    root = os.environ.get("WHIFLASH_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "whiflash")
+    root = cache_root()
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return os.path.join(root, f"{kind}-{digest}.json")
 

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from .cache import cache_root
+
 SOURCE = Path(__file__).parent / "kernels" / "q4_1.c"
 GROUP = 32
 
@@ -62,9 +64,7 @@ def _flags(kind: str) -> list[str]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("WHIFLASH_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "whiflash")
-    return Path(root) / "kernels"
+    return cache_root() / "kernels"
 
 
 @functools.cache

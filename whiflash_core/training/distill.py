@@ -326,12 +326,10 @@ def load_target(s: DistillSettings):
         tokenizer = AutoTokenizer.from_pretrained(s.model)
         model = AutoModelForCausalLM.from_pretrained(s.model, dtype=torch.float32)
     else:
-        from whiflash_core.embedded import EMBEDDED_GGUF, embedded_model_dir
+        from whiflash_core.loading import load_hf_model
 
-        d = embedded_model_dir()
-        tokenizer = AutoTokenizer.from_pretrained(d, gguf_file=EMBEDDED_GGUF)
-        # the GGUF is dequantized to float32 first, then cast
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+        # the GGUF dequantized to float32 (its conversion kept in the cache), then cast
+        model, tokenizer = load_hf_model(None)
     model = model.to(getattr(torch, s.dtype)).eval()
     if model.config.vocab_size > MAX_VOCAB:
         raise SystemExit(f"vocab {model.config.vocab_size} does not fit the uint16 storage")
