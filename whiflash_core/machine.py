@@ -47,9 +47,10 @@ PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
 LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well before 64 rows
 CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (verify_table)
 # cached positions the format timings attend to: an agent conversation's length (system prompt, tool
-# schemas, earlier turns), where reading the KV cache is a good part of a decode step; at 256
-# positions float32 activations (a float32 KV cache) timed fastest natively, and were 12 % slower
-# than bf16 in plain decode of the 580-2,500-token agentic workload (bench/results/agentic_native.json)
+# schemas, earlier turns), where reading the KV cache is a good part of a decode step. Timed at 256
+# positions, float32 activations (so a float32 KV cache: twice the bytes) won natively, and then
+# decoded the 580-2,500-token agentic workload slower than bf16 (plain 51.2 vs 53.6 tok/s, one run
+# each; that run's files were replaced by the committed rerun at 1,024)
 FORMATS_CONTEXT = 1024
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
