@@ -215,9 +215,15 @@ def test_a_gguf_is_converted_once_and_then_loads_the_same_model(tmp_path, monkey
     from whiflash_core.loading import converted_gguf_dir, load_hf_model
 
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
-    kept = converted_gguf_dir(os.path.join(embedded_model_dir(), EMBEDDED_GGUF))
+    gguf = os.path.join(embedded_model_dir(), EMBEDDED_GGUF)
+    kept = converted_gguf_dir(gguf)
     assert not kept.exists()
+    stale, unrelated = tmp_path / "converted" / "older", tmp_path / "converted" / "other-model"
+    for d, source in ((stale, os.path.realpath(gguf)), (unrelated, "/elsewhere/model.gguf")):
+        d.mkdir(parents=True)
+        (d / "whiflash_source.json").write_text(json.dumps({"gguf": source}))
     first, tok1 = load_hf_model(None)  # from the GGUF, then kept
+    assert not stale.exists() and unrelated.exists()  # an older conversion of the same file is dropped
     assert (kept / "config.json").exists() and (kept / "model.safetensors").exists()
     assert not list(tmp_path.glob("converted/*.tmp-*"))  # written aside, renamed whole
     second, tok2 = load_hf_model(None)  # from the kept directory

@@ -80,7 +80,7 @@ def load_hf_model(path: str | None, gguf_file: str | None = None):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs)
     model.eval()
     if gguf_file:
-        _keep_converted(model, tok, converted)
+        _keep_converted(model, tok, converted, os.path.join(path, gguf_file))
     return model, tok
 
 
@@ -98,10 +98,12 @@ def converted_gguf_dir(gguf_path: str) -> Path:
     return cache_root() / "converted" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def _keep_converted(model, tok, directory: Path) -> None:
+def _keep_converted(model, tok, directory: Path, gguf_path: str) -> None:
     """Save a converted model and tokenizer to `directory` atomically (written beside it, then
-    renamed: a process loading at the same time sees all of it or none). Best effort: a full disk
-    or a read-only cache only costs the next start the conversion again."""
+    renamed: a process loading at the same time sees all of it or none), and drop older
+    conversions of the same file (another size, time or transformers version: 520 MB each for the
+    embedded model). Best effort: a full disk or a read-only cache only costs the next start the
+    conversion again."""
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     try:
         import copy
@@ -122,7 +124,13 @@ def _keep_converted(model, tok, directory: Path) -> None:
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         tok.save_pretrained(tmp)
+        source = os.path.realpath(gguf_path)
+        (tmp / "whiflash_source.json").write_text(json.dumps({"gguf": source}))
         os.rename(tmp, directory)
+        for other in directory.parent.iterdir():
+            marker = other / "whiflash_source.json"
+            if other != directory and marker.exists() and json.loads(marker.read_text()).get("gguf") == source:
+                shutil.rmtree(other, ignore_errors=True)
     except (OSError, ValueError, RuntimeError) as e:
         if not (directory / "config.json").exists():  # else another process kept it first
             log.warning("could not keep the converted GGUF under %s (%s); the next start converts it again",
