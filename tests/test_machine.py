@@ -138,7 +138,7 @@ def test_light_formats_run_with_float32_activations(weights):
     else:
         q = torch.randint(0, 16, (64, 96), dtype=torch.uint8).numpy()
         d = (torch.rand(64, 3) * 0.1 + 0.01).numpy()
-        lin = Int4Linear(q, d, -8 * d, dtype=torch.float32)
+        lin = Int4Linear(q, d, -8 * d)
         w = torch.from_numpy((q.reshape(64, 3, 32) * d[..., None] - 8 * d[..., None]).reshape(64, 96))
     y = lin(x)
     assert y.dtype == torch.float32

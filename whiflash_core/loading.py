@@ -10,6 +10,7 @@ Drafter directory layout (what `whiflash train` writes and what ships under mode
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -106,8 +107,6 @@ def _keep_converted(model, tok, directory: Path, gguf_path: str) -> None:
     conversion again."""
     tmp = directory.with_name(f"{directory.name}.tmp-{os.getpid()}")
     try:
-        import copy
-
         from safetensors.torch import save_file
 
         directory.parent.mkdir(parents=True, exist_ok=True)

@@ -71,18 +71,25 @@ class Formats:
 
 # --------------------------------------------------------------------------- the machine
 
-def cpu_info() -> dict:
-    """CPU model, the ISA flags that decide kernels, threads and torch version."""
-    model, flags = platform.processor() or platform.machine(), set()
+def _cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as f:
-            text = f.read()
-        m = re.search(r"^model name\s*:\s*(.+)$", text, re.M)
-        model = m.group(1).strip() if m else model
-        m = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", text, re.M)
-        flags = set(m.group(1).split()) if m else set()
+            return f.read()
     except OSError:
-        pass
+        return ""
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (x86 `flags`, ARM `Features`; empty where /proc/cpuinfo is missing)."""
+    m = re.search(r"^(?:flags|Features)\s*:\s*(.+)$", _cpuinfo(), re.M)
+    return set(m.group(1).split()) if m else set()
+
+
+def cpu_info() -> dict:
+    """CPU model, the ISA flags that decide kernels, threads and torch version."""
+    m = re.search(r"^model name\s*:\s*(.+)$", _cpuinfo(), re.M)
+    model = m.group(1).strip() if m else (platform.processor() or platform.machine())
+    flags = cpu_flags()
     forced = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
               if k in os.environ}
     return {"cpu": model, "machine": platform.machine(), "isa": sorted(f for f in ISA_FLAGS if f in flags),
@@ -125,7 +132,7 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str 
                 q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
                 d = np.full((n, k // 32), 0.01, np.float32)
                 parent, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent), attr, linear(q, d, -8 * d, dtype=dtype))
+                setattr(model.get_submodule(parent), attr, linear(q, d, -8 * d))
     elif weights == "int8":
         quantize_int8(model, names=[n for n, m in model.named_modules()
                                     if isinstance(m, torch.nn.Linear) and n != "lm_head"])
@@ -315,7 +322,7 @@ def light_formats(gguf: str | None) -> tuple[str, ...]:
 
     if not gguf:
         return ("int8",)
-    return ("q4_1",) * q4_1_kernel.available() + ("int4", "int8")
+    return (("q4_1",) if q4_1_kernel.available() else ()) + ("int4", "int8")
 
 
 def formats_from(result: dict) -> Formats:

@@ -27,26 +27,16 @@ from pathlib import Path
 import torch
 
 from .cache import cache_root
+from .machine import cpu_flags
 
 SOURCE = Path(__file__).parent / "kernels" / "q4_1.c"
 GROUP = 32
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def isa() -> str | None:
     """Which instruction set the kernel is built for here: "avx2" (forced by ATEN_CPU_CAPABILITY,
     or what the CPU has), "native" (-march=native: VNNI where the CPU has it), or None (no AVX2)."""
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= _cpu_flags():
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= cpu_flags():
         return None
     forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
     if forced == "default":
@@ -79,7 +69,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     # -march=native means this CPU: its flags are part of the key, with the source and compiler
     key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                                     " ".join(sorted(_cpu_flags())).encode()])).hexdigest()[:16]
+                                     " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
     path = _cache_dir() / f"q4_1-{kind}-{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,10 +94,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.q4_1_matmul
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i64, p, p]
-    fn.restype = None
-    lib.q4_1_work_bytes.argtypes = [i64, i64]
-    lib.q4_1_work_bytes.restype = i64
+    fn.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i64, p]
+    fn.restype = ctypes.c_int  # 0, or -1 when its work memory could not be allocated
     return lib
 
 
@@ -169,9 +157,9 @@ def matmul(x2: torch.Tensor, qw: torch.Tensor, dw: torch.Tensor, mw: torch.Tenso
     m, k = x2.shape
     n = qw.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
-    work = torch.empty(lib.q4_1_work_bytes(m, k), dtype=torch.int8)  # 64-byte aligned (PyTorch's allocator)
-    lib.q4_1_matmul(x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, qw.data_ptr(), dw.data_ptr(),
-                    mw.data_ptr(), n, y.data_ptr(), work.data_ptr())
+    if lib.q4_1_matmul(x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, qw.data_ptr(), dw.data_ptr(),
+                       mw.data_ptr(), n, y.data_ptr()) != 0:
+        raise MemoryError(f"the Q4_1 kernel could not allocate its work memory for {m} rows of {k}")
     return y
 
 

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from . import q4_1_kernel
 from .target import STACKED, TargetModel
 
 WeightFormat = Literal["auto", "dense", "int8", "int4", "q4_1"]  # auto: whiflash_core.machine picks
@@ -129,13 +130,12 @@ def quantize_q4_1(weight: torch.Tensor) -> tuple[np.ndarray, np.ndarray, np.ndar
 class Int4Linear(_WeightOnlyLinear):
     """y = x @ W.T with W held as packed int4 + per-group (scale, zero); bias-free.
 
-    The kernel runs in bf16 (KERNEL_DTYPE); x and y are in `dtype`, the model's activation dtype.
-    `weight` is the optional dense copy (in `dtype`) used from `dense_from_rows` rows on (None if
-    not kept).
+    The kernel runs in bf16 (KERNEL_DTYPE); x and y are in x's dtype, the model's activation dtype.
+    `weight` is the optional dense copy used from `dense_from_rows` rows on (None if not kept).
     """
 
     def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray, dense: torch.Tensor | None = None,
-                 dense_from_rows: int = 10**9, dtype: torch.dtype = torch.bfloat16):
+                 dense_from_rows: int = 10**9):
         super().__init__()
         n, k = q.shape
         self.in_features, self.out_features = k, n
@@ -150,7 +150,7 @@ class Int4Linear(_WeightOnlyLinear):
     def from_dense(cls, weight: torch.Tensor, dense_from_rows: int = 10**9) -> "Int4Linear":
         """`weight` in Q4_1 blocks (quantize_q4_1), kept (shared, not copied) as the dense copy.
         For the LM head, whose candidates the target refines in float32 (TargetModel.logits)."""
-        return cls(*quantize_q4_1(weight), weight, dense_from_rows, weight.dtype)
+        return cls(*quantize_q4_1(weight), weight, dense_from_rows)
 
     def kernel(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x2.to(KERNEL_DTYPE).contiguous(), self.packed,
@@ -168,10 +168,8 @@ class Q41Linear(_WeightOnlyLinear):
     """
 
     def __init__(self, q: np.ndarray, d: np.ndarray, m: np.ndarray, dense: torch.Tensor | None = None,
-                 dense_from_rows: int = 10**9, dtype: torch.dtype | None = None):
+                 dense_from_rows: int = 10**9):
         super().__init__()
-        from . import q4_1_kernel
-
         n, k = q.shape
         self.in_features, self.out_features = k, n
         self.qw, self.dw, self.mw = q4_1_kernel.pack(q, d, m)
@@ -184,8 +182,6 @@ class Q41Linear(_WeightOnlyLinear):
         return cls(*quantize_q4_1(weight), weight, dense_from_rows)
 
     def kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        from . import q4_1_kernel
-
         return q4_1_kernel.matmul(x2, self.qw, self.dw, self.mw).to(x2.dtype)
 
 
@@ -302,7 +298,7 @@ def quantize_target_int4(model: TargetModel, gguf_path: str, dense_from_rows: in
         if not torch.allclose(deq.to(w.dtype).float(), w.float(), rtol=0, atol=1e-2 * float(w.abs().max())):
             raise ValueError(f"{name}: GGUF Q4_1 blocks do not match the loaded weights")
         dense = w if dense_from_rows < 10**9 else None
-        setattr(parent, attr, kind(q, d, m, dense, dense_from_rows, dtype=w.dtype))
+        setattr(parent, attr, kind(q, d, m, dense, dense_from_rows))
         swapped += 1
     return swapped
 
@@ -324,11 +320,9 @@ def apply_weight_format(model: TargetModel, weights: str, gguf_path: str | None 
     if weights in ("int4", "q4_1"):
         if gguf_path is None:
             raise ValueError(f"{weights} weights need a GGUF with Q4_1 blocks (the embedded default or a .gguf path)")
-        if weights == "q4_1":
-            from . import q4_1_kernel
-            if not q4_1_kernel.available():
-                raise ValueError("q4_1 weights need the Q4_1 kernel, which could not be built here "
-                                 "(a C compiler and an x86-64 CPU with AVX2); use int4")
+        if weights == "q4_1" and not q4_1_kernel.available():
+            raise ValueError("q4_1 weights need the Q4_1 kernel, which could not be built here "
+                             "(a C compiler and an x86-64 CPU with AVX2); use int4")
         quantize_target_int4(model, gguf_path, dense_from_rows=dense_from_rows,
                              kind=Q41Linear if weights == "q4_1" else Int4Linear)
     elif weights == "int8":

@@ -28,6 +28,7 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #define QK 32
 #define MAX_ROWS 4  // rows of x multiplied per pass over a weight row (more rows: several passes)
@@ -242,14 +243,13 @@ static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint
 // Blocks per weight row after padding (the row strides of qw: 16 bytes a block; dw, mw: 1 each).
 int64_t q4_1_padded_blocks(int64_t K) { return padded_blocks(K); }
 
-// Bytes of work memory q4_1_matmul needs for M rows of K.
-int64_t q4_1_work_bytes(int64_t M, int64_t K) { return M * padded_blocks(K) * (QK + 2 * 4); }
-
-// x [M, K] (float32, or bf16 when x_bf16), qw / dw / mw as above, y [M, N] float32,
-// work: q4_1_work_bytes(M, K) bytes, 4-byte aligned.
-void q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
-                 const uint16_t *mw, int64_t N, float *y, int8_t *work) {
+// x [M, K] (float32, or bf16 when x_bf16), qw / dw / mw as above, y [M, N] float32.
+// Returns 0, or -1 if the quantized rows' memory (M * np * 40 bytes) could not be allocated.
+int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
+                const uint16_t *mw, int64_t N, float *y) {
     const int64_t np = padded_blocks(K);
+    int8_t *work = malloc(M * np * (QK + 2 * sizeof(float)));
+    if (work == NULL) return -1;
     int8_t *qx = work;
     float *dx = (float *)(work + M * np * QK), *sx = dx + M * np;
     const int64_t row_bytes = K * (x_bf16 ? 2 : 4);
@@ -266,4 +266,6 @@ void q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t 
             rows(R, n0, n1, K, N, qw, dw, mw, qx + r * np * QK, dx + r * np, sx + r * np, y + r * N);
         }
     }
+    free(work);
+    return 0;
 }
