@@ -114,3 +114,18 @@ def test_a_failed_build_is_a_fallback_too(monkeypatch, tmp_path):
         assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built left behind
     finally:
         q4_1_kernel._library.cache_clear()
+
+
+@needs_kernel
+def test_bf16_results_are_the_float32_ones_rounded_as_pytorch_rounds():
+    """Q41Linear asks the kernel for bf16 directly (no float32 tensor and cast per call): the same
+    bits as .to(torch.bfloat16) of the float32 result."""
+    q, d, m = _blocks(52, 576)
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        y = q4_1_kernel.matmul(x, qw, dw, mw, out_dtype=torch.bfloat16)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y, q4_1_kernel.matmul(x, qw, dw, mw).to(torch.bfloat16))
+    lin = Q41Linear(q, d, m)
+    assert torch.equal(lin(x), q4_1_kernel.matmul(x, qw, dw, mw).to(torch.bfloat16))

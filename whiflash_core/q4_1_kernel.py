@@ -94,7 +94,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     fn = lib.q4_1_matmul
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i64, p]
+    fn.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i64, p, ctypes.c_int]
     fn.restype = ctypes.c_int  # 0, or -1 when its work memory could not be allocated
     return lib
 
@@ -146,8 +146,11 @@ def pack(q, d, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return qw, scales(d), scales(m)
 
 
-def matmul(x2: torch.Tensor, qw: torch.Tensor, dw: torch.Tensor, mw: torch.Tensor) -> torch.Tensor:
-    """x2 [M, K] float32 or bf16 @ W.T -> [M, N] float32, W the Q4_1 blocks as `pack` lays them out."""
+def matmul(x2: torch.Tensor, qw: torch.Tensor, dw: torch.Tensor, mw: torch.Tensor,
+           out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x2 [M, K] float32 or bf16 @ W.T -> [M, N] in out_dtype, W the Q4_1 blocks as `pack` lays
+    them out. The kernel sums in float32 and writes float32 or bf16 (rounded as .to(bfloat16)
+    rounds); another out_dtype is a cast of the float32 result."""
     lib = _library()
     if lib is None:
         raise RuntimeError("the Q4_1 kernel is not available on this machine (see q4_1_kernel.available)")
@@ -156,11 +159,12 @@ def matmul(x2: torch.Tensor, qw: torch.Tensor, dw: torch.Tensor, mw: torch.Tenso
     x2 = x2.contiguous()
     m, k = x2.shape
     n = qw.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
+    stored = out_dtype if out_dtype in (torch.float32, torch.bfloat16) else torch.float32
+    y = torch.empty(m, n, dtype=stored)
     if lib.q4_1_matmul(x2.data_ptr(), int(x2.dtype == torch.bfloat16), m, k, qw.data_ptr(), dw.data_ptr(),
-                       mw.data_ptr(), n, y.data_ptr()) != 0:
+                       mw.data_ptr(), n, y.data_ptr(), int(stored == torch.bfloat16)) != 0:
         raise MemoryError(f"the Q4_1 kernel could not allocate its work memory for {m} rows of {k}")
-    return y
+    return y.to(out_dtype)
 
 
 def reference(x2: torch.Tensor, q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:

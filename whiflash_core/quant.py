@@ -9,9 +9,9 @@ flag (`--weights int4`), and the float32 reference path stays.
 
 `--weights q4_1` runs the same blocks, exact, through the Q4_1 x Q8 kernel built on this machine
 (q4_1_kernel: activations quantized to int8 per block of 32 and integer dot products, as llama.cpp
-does): 1.9-2.3x PyTorch's int4 kernel at one row and 1.6-2.0x at four (kernel alone, 2 threads,
-AVX-512 machine; 2-3x with AVX2 kernels), 5-25 % on a whole forward, where the weights stream from
-memory. `machine` times it with the others and picks it where it wins.
+does): faster than PyTorch's int4 kernel per linear and on a whole forward, by how much depends on
+the CPU (bench/q4_1_probe.py; the README quotes its results). `machine` times it with the others
+and picks it where it wins.
 
 Decode is bound by reading weights (about 270 MB per token in bf16); int4 reads a quarter of that.
 For many rows (long prefill, big verify) the dense bf16 GEMM is faster, so `Int4Linear` keeps an
@@ -182,7 +182,7 @@ class Q41Linear(_WeightOnlyLinear):
         return cls(*quantize_q4_1(weight), weight, dense_from_rows)
 
     def kernel(self, x2: torch.Tensor) -> torch.Tensor:
-        return q4_1_kernel.matmul(x2, self.qw, self.dw, self.mw).to(x2.dtype)
+        return q4_1_kernel.matmul(x2, self.qw, self.dw, self.mw, out_dtype=x2.dtype)  # y in x's dtype
 
 
 class Int8Linear(_WeightOnlyLinear):

@@ -131,6 +131,17 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+// y[i] = v, as float32 or rounded to bf16 (to nearest, ties to even: what PyTorch's .to(bfloat16) does)
+static inline void store(void *y, int bf16, int64_t i, float v) {
+    if (bf16) {
+        uint32_t bits;
+        __builtin_memcpy(&bits, &v, 4);
+        ((uint16_t *)y)[i] = (v != v) ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    } else {
+        ((float *)y)[i] = v;
+    }
+}
+
 // 128-bit loads of the short groups: 16 bytes for a group of 4, the low 8 (rest zero) for one of 2.
 static inline __m128i load_short(const void *p, int width) {
     return width == 4 ? _mm_loadu_si128((const __m128i *)p) : _mm_loadl_epi64((const __m128i *)p);
@@ -171,11 +182,11 @@ static inline __attribute__((always_inline)) void short_group(const int R, const
     }
 }
 
-// y[r, n + u] for R rows of x (r < R) and NR output rows (u < NR); R and NR are constants at each
+// y[r0 + r, n + u] for R rows of x (r < R) and NR output rows (u < NR); R and NR are constants at each
 // call, so the R * NR * 2 integer accumulators (two chains: a dpbusd's latency) stay in registers.
 static inline __attribute__((always_inline)) void tile(const int R, const int NR, int64_t n, int64_t K, int64_t N,
         const uint8_t *qw, const uint16_t *dw, const uint16_t *mw, const int8_t *qx, const float *dx,
-        const float *sx, float *y) {
+        const float *sx, void *y, int y_bf16, int64_t r0) {
     const int64_t np = padded_blocks(K), full = full8(np);
     // Decode streams each weight once from memory: ask for the rows PREFETCH_ROWS ahead now, so
     // their loads overlap this tile's arithmetic (the hardware prefetcher alone left the kernel
@@ -218,23 +229,24 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NR
     if (four_end(np) > full) short_group(R, NR, 4, full, n, np, qw, dw, mw, qx, dx, sx, acc);
     if (np > four_end(np)) short_group(R, NR, 2, four_end(np), n, np, qw, dw, mw, qx, dx, sx, acc);
     for (int u = 0; u < NR; u++)
-        for (int r = 0; r < R; r++) y[r * N + n + u] = hsum(acc[u][r]);
+        for (int r = 0; r < R; r++) store(y, y_bf16, (r0 + r) * N + n + u, hsum(acc[u][r]));
 }
 
 // Output rows [n0, n1) for R (1..MAX_ROWS) rows of quantized x: a few output rows at a time while
 // x has few rows, so there are always several independent chains in flight.
 static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint8_t *qw, const uint16_t *dw,
-                 const uint16_t *mw, const int8_t *qx, const float *dx, const float *sx, float *y) {
+                 const uint16_t *mw, const int8_t *qx, const float *dx, const float *sx, void *y, int y_bf16,
+                 int64_t r0) {
     int64_t n = n0;
     switch (R) {
-        case 1: for (; n + 4 <= n1; n += 4) tile(1, 4, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
-        case 2: for (; n + 2 <= n1; n += 2) tile(2, 2, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
-        case 3: for (; n < n1; n++) tile(3, 1, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
-        default: for (; n < n1; n++) tile(4, 1, n, K, N, qw, dw, mw, qx, dx, sx, y); break;
+        case 1: for (; n + 4 <= n1; n += 4) tile(1, 4, n, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+        case 2: for (; n + 2 <= n1; n += 2) tile(2, 2, n, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+        case 3: for (; n < n1; n++) tile(3, 1, n, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+        default: for (; n < n1; n++) tile(4, 1, n, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
     }
     for (; n < n1; n++) {  // the last few output rows of R = 1 or 2
-        if (R == 1) tile(1, 1, n, K, N, qw, dw, mw, qx, dx, sx, y);
-        else tile(2, 1, n, K, N, qw, dw, mw, qx, dx, sx, y);
+        if (R == 1) tile(1, 1, n, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0);
+        else tile(2, 1, n, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0);
     }
 }
 
@@ -243,10 +255,11 @@ static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint
 // Blocks per weight row after padding (the row strides of qw: 16 bytes a block; dw, mw: 1 each).
 int64_t q4_1_padded_blocks(int64_t K) { return padded_blocks(K); }
 
-// x [M, K] (float32, or bf16 when x_bf16), qw / dw / mw as above, y [M, N] float32.
+// x [M, K] float32, or bf16 when x_bf16; y [M, N] float32, or bf16 when y_bf16 (rounded as
+// PyTorch's .to(bfloat16) rounds); qw / dw / mw as above.
 // Returns 0, or -1 if the quantized rows' memory (M * np * 40 bytes) could not be allocated.
 int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
-                const uint16_t *mw, int64_t N, float *y) {
+                const uint16_t *mw, int64_t N, void *y, int y_bf16) {
     const int64_t np = padded_blocks(K);
     int8_t *work = malloc(M * np * (QK + 2 * sizeof(float)));
     if (work == NULL) return -1;
@@ -263,7 +276,7 @@ int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
         const int64_t n0 = t * chunk < N ? t * chunk : N, n1 = n0 + chunk < N ? n0 + chunk : N;
         for (int64_t r = 0; r < M && n0 < n1; r += MAX_ROWS) {
             const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
-            rows(R, n0, n1, K, N, qw, dw, mw, qx + r * np * QK, dx + r * np, sx + r * np, y + r * N);
+            rows(R, n0, n1, K, N, qw, dw, mw, qx + r * np * QK, dx + r * np, sx + r * np, y, y_bf16, r);
         }
     }
     free(work);
