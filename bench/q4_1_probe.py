@@ -8,7 +8,8 @@
    random Q4_1 blocks, 1 and 4 rows of bf16 activations, best of 50 calls each. The same weights
    are called again and again, so they sit in cache: this is the kernels' arithmetic.
 2. Whole forward: the embedded target with `--weights int4` and `--weights q4_1` (bf16
-   activations, LM head of the same kind), 1 and 4 new rows after 300 cached positions, best of
+   activations, LM head of the same kind; q4_1 also runs the rest of each layer through
+   kernels/decode_ops.c), 1 and 4 new rows after 300 cached positions, best of
    15, both models interleaved over 3 rounds. Here each layer's weights come from memory again.
 """
 from __future__ import annotations

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from whiflash_core import q4_1_kernel
+from whiflash_core import native, q4_1_kernel
 from whiflash_core.quant import Q41Linear, apply_weight_format
 
 # rerun with the AVX2 kernels forced (.ci/run): the kernel is then built for the AVX2 class
 pytestmark = pytest.mark.numerics
 
-BUILDABLE = q4_1_kernel.isa() is not None and q4_1_kernel._compiler() is not None
+BUILDABLE = native.isa() is not None and native.compiler() is not None
 needs_kernel = pytest.mark.skipif(not BUILDABLE, reason="no C compiler or no x86-64 CPU with AVX2 here: "
                                   "the engine keeps PyTorch's int4 kernel (test_fallback_* checks that)")
 
@@ -76,6 +76,7 @@ def test_every_token_of_a_q4_1_target_is_the_argmax_of_its_verify_forward():
 
     engine = load_engine(dtype="bfloat16", weights="q4_1")
     assert isinstance(engine.target.layers[0].mlp.down_proj, Q41Linear)
+    assert engine.target.layers[0].self_attn.native_ops  # and the rest of the layer in C (decode_ops)
     ids = encode_chat(engine.tokenizer, PROMPTS[1])
     log = ForwardLog(engine.target)
     try:
@@ -92,7 +93,7 @@ def test_fallback_without_a_compiler(monkeypatch):
     from whiflash_core.machine import head_kinds, light_formats
     from tiny import tiny_target
 
-    monkeypatch.setattr(q4_1_kernel, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     q4_1_kernel._library.cache_clear()
     try:
         assert not q4_1_kernel.available()

@@ -10,14 +10,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import decode_ops
+
 
 class RMSNorm(nn.Module):
+    native_ops = False   # decode_ops.use_for: bf16 rows through kernels/decode_ops.c
+
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_ops and decode_ops.applies(x) and self.weight.dtype == torch.bfloat16:
+            return decode_ops.rms_norm(x, self.weight, self.eps)
         # Normalised in float32 as Hugging Face Llama/Qwen3 do, cast back, then scaled (same bits
         # as their x * rsqrt(mean(x^2) + eps) in float64/32/bf16, in fewer kernel calls).
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)

@@ -54,8 +54,8 @@ CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (ve
 FORMATS_CONTEXT = 1024
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 7
-VERIFY_CACHE_VERSION = 1
+CACHE_VERSION = 8
+VERIFY_CACHE_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -133,6 +133,9 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str 
                 d = np.full((n, k // 32), 0.01, np.float32)
                 parent, _, attr = name.rpartition(".")
                 setattr(model.get_submodule(parent), attr, linear(q, d, -8 * d))
+        if weights == "q4_1":  # as quant.apply_weight_format: the rest of the layer in C too
+            from . import decode_ops
+            decode_ops.use_for(model)
     elif weights == "int8":
         quantize_int8(model, names=[n for n, m in model.named_modules()
                                     if isinstance(m, torch.nn.Linear) and n != "lm_head"])

@@ -4,99 +4,38 @@ PyTorch's CPU int4 kernel (quant.Int4Linear) dequantises its weights to bf16 and
 floating point; llama.cpp instead quantizes each activation row to int8 per block of 32 and runs
 integer dot products (VNNI dpbusd, or AVX2 maddubs), which at 1-4 rows is what a decode step and a
 short verify need. The C file is small and plain (no PyTorch headers), so it builds in about a
-second at first use, for this CPU (-march=native) or, when PyTorch is forced to its AVX2 kernels
-(ATEN_CPU_CAPABILITY=avx2), for the AVX2 class, and is cached beside the format timings
-(~/.cache/whiflash/kernels, or $WHIFLASH_CACHE_DIR/kernels). Where there is no C compiler, no
-x86-64 with AVX2 or the build fails, `available()` is False and the engine keeps PyTorch's kernels
+second at first use (whiflash_core/native.py: for this CPU, or for the AVX2 class when PyTorch
+is forced to its AVX2 kernels) and cached. Where there is no C compiler, no x86-64 with AVX2 or
+the build fails, `available()` is False and the engine keeps PyTorch's kernels
 (machine.light_formats): the format is then simply not among the candidates.
-
-The call releases the GIL (ctypes does) and runs on the OpenMP pool PyTorch loaded (same libgomp).
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
-from .cache import cache_root
-from .machine import cpu_flags
+from . import native
 
 SOURCE = Path(__file__).parent / "kernels" / "q4_1.c"
 GROUP = 32
 
 
-def isa() -> str | None:
-    """Which instruction set the kernel is built for here: "avx2" (forced by ATEN_CPU_CAPABILITY,
-    or what the CPU has), "native" (-march=native: VNNI where the CPU has it), or None (no AVX2)."""
-    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma", "f16c"} <= cpu_flags():
-        return None
-    forced = os.environ.get("ATEN_CPU_CAPABILITY", "").lower()
-    if forced == "default":
-        return None
-    return "avx2" if forced == "avx2" else "native"
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
-
-
-def _flags(kind: str) -> list[str]:
-    arch = ["-march=haswell"] if kind == "avx2" else ["-march=native"]
-    return ["-O3", *arch, "-fopenmp", "-shared", "-fPIC", "-std=c11"]
-
-
-def _cache_dir() -> Path:
-    return cache_root() / "kernels"
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    kind, cc = isa(), _compiler()
-    if kind is None or cc is None:
-        return None
-    flags = _flags(kind)
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    # -march=native means this CPU: its flags are part of the key, with the source and compiler
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                                     " ".join(sorted(cpu_flags())).encode()])).hexdigest()[:16]
-    path = _cache_dir() / f"q4_1-{kind}-{key}.so"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-        os.close(fd)
-        try:
-            done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
-            if done.returncode != 0:
-                return None
-            os.replace(tmp, path)  # atomic: processes building at once each install a whole file
-            for old in path.parent.glob(f"q4_1-{kind}-*.so"):  # builds of an older source or compiler
-                if old != path:
-                    old.unlink(missing_ok=True)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    try:
-        lib = ctypes.CDLL(str(path))  # torch is imported, so its libgomp is the one this links to
-    except OSError:
+    lib = native.build(SOURCE)
+    if lib is None:
         return None
     fn = lib.q4_1_matmul
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i64, p, ctypes.c_int]
     fn.restype = ctypes.c_int  # 0, or -1 when its work memory could not be allocated
     return lib
+
+
+isa = native.isa
 
 
 def available() -> bool:

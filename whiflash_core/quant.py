@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import q4_1_kernel
+from . import decode_ops, q4_1_kernel
 from .target import STACKED, TargetModel
 
 WeightFormat = Literal["auto", "dense", "int8", "int4", "q4_1"]  # auto: whiflash_core.machine picks
@@ -325,6 +325,8 @@ def apply_weight_format(model: TargetModel, weights: str, gguf_path: str | None 
                              "(a C compiler and an x86-64 CPU with AVX2); use int4")
         quantize_target_int4(model, gguf_path, dense_from_rows=dense_from_rows,
                              kind=Q41Linear if weights == "q4_1" else Int4Linear)
+        if weights == "q4_1":  # the rest of the layer in C too: part of the format machine.py times
+            decode_ops.use_for(model)
     elif weights == "int8":
         quantize_int8(model, dense_from_rows, names=[n for n, m in model.named_modules()
                                                       if isinstance(m, nn.Linear) and m.bias is None and n != "lm_head"])

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import decode_ops
 from .layers import RMSNorm, Rotary, apply_rope, attend, attention_mask
 
 @dataclass
@@ -92,6 +93,8 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    native_ops = False   # decode_ops.use_for: few bf16 rows through kernels/decode_ops.c
+
     def __init__(self, cfg: TargetConfig):
         super().__init__()
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -125,6 +128,9 @@ class Attention(nn.Module):
         """Attention of t rows (their stacked q/k/v projections [t, (nh + 2 nkv) hd]) at positions
         start..start+t-1: rotate, append k/v to the cache, attend over the cache: [t, nh hd]."""
         t, nh = qkv.shape[0], self.nh
+        if (self.native_ops and self.q_norm is None and t <= decode_ops.MAX_ATTENTION_ROWS
+                and decode_ops.applies(qkv, self.hd) and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            return decode_ops.attend_rows(qkv, cos, sin, k_cache, v_cache, start, nh, self.nkv)
         qkv = qkv.view(t, nh + 2 * self.nkv, self.hd)
         qk, v = qkv[:, :nh + self.nkv], qkv[:, nh + self.nkv:]
         if self.q_norm is not None:
@@ -139,6 +145,7 @@ class Attention(nn.Module):
 
 class GatedMLP(nn.Module):
     """SwiGLU with gate_proj and up_proj stacked by rows into one matmul (as `qkv_proj`)."""
+    native_ops = False   # decode_ops.use_for: bf16 rows through kernels/decode_ops.c
 
     def __init__(self, dim: int, hidden: int):
         super().__init__()
@@ -146,7 +153,10 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native_ops and decode_ops.applies(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(decode_ops.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

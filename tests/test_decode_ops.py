@@ -1,0 +1,119 @@
+"""kernels/decode_ops.c against the PyTorch ops it replaces (layers.py, target.py) in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from whiflash_core import decode_ops
+from whiflash_core.layers import RMSNorm, Rotary, apply_rope, attend, attention_mask
+from whiflash_core.target import TargetConfig, TargetModel
+
+pytestmark = [pytest.mark.numerics,
+              pytest.mark.skipif(not decode_ops.available(), reason="needs a C compiler and an x86-64 CPU with AVX2")]
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors of the same signs are."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+def test_rms_norm_is_the_module_s():
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    norm.weight.data = (torch.rand(576) + 0.5).bfloat16()
+    for rows in (1, 4, 17):
+        x = (torch.randn(rows, 576) * 3).bfloat16()
+        ref, got = norm(x), decode_ops.rms_norm(x, norm.weight, 1e-5)
+        # the same roundings; only the sum of squares may be added in another order
+        assert (ref == got).float().mean() > 0.99
+        assert _ulps_apart(ref, got).max() <= 1
+
+
+def test_silu_mul_is_swiglu_s():
+    torch.manual_seed(1)
+    gate_up = (torch.randn(5, 2 * 1536) * 4).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    ref, got = F.silu(gate) * up, decode_ops.silu_mul(gate_up)
+    assert (ref == got).float().mean() > 0.99
+    assert _ulps_apart(ref, got).max() <= 1
+
+
+def _pytorch_attention(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, hd, dtype=None):
+    """target.Attention.attend_rows' PyTorch path (optionally run in another dtype)."""
+    t = qkv.shape[0]
+    q3 = qkv.view(t, nh + 2 * nkv, hd)
+    qk = apply_rope(q3[:, :nh + nkv].transpose(0, 1), cos, sin)
+    k_cache[:, start:start + t] = qk[nh:]
+    v_cache[:, start:start + t] = q3[:, nh + nkv:].transpose(0, 1)
+    q, k, v = qk[:nh], k_cache[:, :start + t], v_cache[:, :start + t]
+    if dtype is not None:
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    return attend(q, k, v, attention_mask(t, start, nh, nkv, q.dtype))
+
+
+@pytest.mark.parametrize("hd", [32, 64, 128])
+@pytest.mark.parametrize("t,start", [(1, 0), (1, 63), (3, 62), (8, 64), (5, 300)])
+def test_attention_writes_the_cache_and_attends_as_sdpa(hd, t, start):
+    """Rotary and the cache writes are PyTorch's bits; the attention output is as close to a
+    float64 attention over the same q/k/v as SDPA's bf16 result is (chunks of 64 keys: both sides
+    of a chunk edge)."""
+    torch.manual_seed(hd + t + start)
+    nh, nkv = 9, 3
+    rotary = Rotary.default(hd, 10000.0, 1024)
+    cos, sin = rotary.tables(slice(start, start + t), torch.bfloat16)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd) * 2).bfloat16()
+    k_ref, v_ref = torch.randn(nkv, start + t + 7, hd).bfloat16(), torch.randn(nkv, start + t + 7, hd).bfloat16()
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    sdpa = _pytorch_attention(qkv, cos, sin, k_ref, v_ref, start, nh, nkv, hd)
+    got = decode_ops.attend_rows(qkv, cos, sin, k_got, v_got, start, nh, nkv)
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+    exact = _pytorch_attention(qkv, cos, sin, k_ref.clone(), v_ref.clone(), start, nh, nkv, hd, torch.float64)
+    sdpa_err = (sdpa.double() - exact).abs().max()
+    assert (got.double() - exact).abs().max() <= 1.5 * sdpa_err + 1e-6
+
+
+def test_attention_rows_do_not_mix():
+    """Row i of a t-row call is the 1-row call at its position, bit for bit: the keys are cut into
+    chunks at fixed positions and every query is computed alone."""
+    torch.manual_seed(3)
+    nh, nkv, hd, start, t = 9, 3, 64, 120, 6
+    rotary = Rotary.default(hd, 10000.0, 1024)
+    qkv = (torch.randn(t, (nh + 2 * nkv) * hd) * 2).bfloat16()
+    k, v = torch.randn(nkv, 256, hd).bfloat16(), torch.randn(nkv, 256, hd).bfloat16()
+    cos, sin = rotary.tables(slice(start, start + t), torch.bfloat16)
+    together = decode_ops.attend_rows(qkv, cos, sin, k.clone(), v.clone(), start, nh, nkv)
+    for i in range(t):
+        kc, vc = k.clone(), v.clone()
+        if i:  # the rows before i in the cache, as the t-row call left them
+            decode_ops.attend_rows(qkv[:i], cos[:i], sin[:i], kc, vc, start, nh, nkv)
+        alone = decode_ops.attend_rows(qkv[i:i + 1], cos[i:i + 1], sin[i:i + 1], kc, vc, start + i, nh, nkv)
+        assert torch.equal(alone[0], together[i])
+
+
+def test_a_target_with_the_ops_computes_what_pytorch_s_ops_do():
+    """A bf16 target of real head size with the C ops on: forwards of 1 and 4 rows after a prompt
+    (so both the C path and the SDPA path of longer forwards are used) give the logits PyTorch's
+    ops give, to bf16 rounding, and pick the same next tokens."""
+    torch.manual_seed(4)
+    cfg = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=4,
+                       num_kv_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False)
+    model = TargetModel(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    model = model.bfloat16().eval()
+    prompt, rows = torch.randint(0, 512, (40,)), torch.randint(0, 512, (4,))
+
+    def run():
+        cache = model.new_cache(64)
+        model(prompt, cache)
+        one = model(rows[:1], cache).logits
+        four = model(rows, cache).logits
+        return one, four
+
+    ref = run()
+    assert decode_ops.use_for(model) and model.layers[0].self_attn.native_ops
+    got = run()
+    for r, g in zip(ref, got):
+        assert (g - r).abs().max() < 0.05 * r.abs().max()
+        assert torch.equal(g.argmax(-1), r.argmax(-1))

@@ -1,0 +1,90 @@
+"""The small ops of a bf16 decoder layer at decode / verify row counts, in C (kernels/decode_ops.c).
+
+With the Q4_1 kernel doing the linears, a one-row forward spends about as long in RMSNorm, rotary,
+the KV-cache writes, attention and SwiGLU's silu * up as in its weights: each of those is several
+PyTorch kernels, and the CPU flash-attention kernel costs ~45 us per layer for one query row. Here
+each is one call. They are used by a target whose linears are Q4_1 (`use_for`, set by
+quant.quantize_target_int4), for bf16 rows on the CPU only; everything else keeps PyTorch's ops.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from . import native
+
+SOURCE = Path(__file__).parent / "kernels" / "decode_ops.c"
+MAX_ATTENTION_ROWS = 8    # a decode step or a verify (measured no slower than SDPA up to here); more rows take SDPA
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    lib = native.build(SOURCE)
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.rms_norm_bf16.argtypes = [p, p, ctypes.c_float, i64, i64, p]
+    lib.rms_norm_bf16.restype = None
+    lib.silu_mul_bf16.argtypes = [p, i64, i64, p]
+    lib.silu_mul_bf16.restype = None
+    lib.attend_rows_bf16.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, p]
+    lib.attend_rows_bf16.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def applies(x: torch.Tensor, head_dim: int = 16) -> bool:
+    """Whether these ops take x: bf16 on the CPU, last dimension (and head_dim) a multiple of 16,
+    head_dim at most 256 (attention keeps a query head in registers)."""
+    return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.shape[-1] % 16 == 0
+            and head_dim % 16 == 0 and head_dim <= 256)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """layers.RMSNorm in one call: bf16(weight * bf16(x * rsqrt(mean(x^2) + eps))), x [..., K]."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    k = x.shape[-1]
+    _library().rms_norm_bf16(x.data_ptr(), weight.data_ptr(), eps, x.numel() // k, k, y.data_ptr())
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up = [gate | up] ([M, 2H] bf16) -> [M, H]."""
+    gate_up = gate_up.contiguous()
+    m, h = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(m, h, dtype=gate_up.dtype)
+    _library().silu_mul_bf16(gate_up.data_ptr(), m, h, y.data_ptr())
+    return y
+
+
+def attend_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, start: int, n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """target.Attention.attend_rows for t <= MAX_ATTENTION_ROWS rows without q/k norms: rotate q
+    and k of qkv [t, (nh + 2 nkv) hd], write k and v into the layer's cache ([nkv, capacity, hd],
+    contiguous) at start.., attend causally. Returns [t, nh hd] bf16."""
+    t, hd = qkv.shape[0], k_cache.shape[-1]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty(t, n_heads * hd, dtype=qkv.dtype)
+    if _library().attend_rows_bf16(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                                   v_cache.data_ptr(), k_cache.shape[1], start, t, n_heads, n_kv_heads, hd,
+                                   out.data_ptr()) != 0:
+        raise MemoryError(f"attention scratch for {t} rows over {start + t} keys could not be allocated")
+    return out
+
+
+def use_for(model: torch.nn.Module) -> bool:
+    """Turn these ops on in `model`'s norms, attention and MLPs (the modules with a `native_ops`
+    flag); False (and nothing changed) where the kernels could not be built here."""
+    if not available():
+        return False
+    for module in model.modules():
+        if hasattr(module, "native_ops"):
+            module.native_ops = True
+    return True

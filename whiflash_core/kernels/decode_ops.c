@@ -1,0 +1,289 @@
+// The rest of a decoder layer for the few rows of a decode step or a short verify, in bf16:
+// RMSNorm, rotary + KV-cache append + causal attention, and SwiGLU's silu(gate) * up.
+//
+// Why: with the Q4_1 kernel doing the linears, a one-row forward of a small model spends about as
+// long in these small ops as in its weights. In PyTorch each is several kernels (RMSNorm alone is
+// pow, mean, add, rsqrt, mul, casts) and the CPU flash-attention kernel costs ~45 us per layer for
+// one query row; here each is one call that touches its data once.
+//
+// Numerics: everything is computed in float32 from the bf16 inputs and rounded to bf16 where
+// PyTorch's bf16 graph stores a bf16 tensor that the rest reads (the normalised x before its
+// weight multiply, q/k after rotary, the outputs). Intermediate roundings PyTorch also does inside
+// one op (x * cos, then + roll(x) * sin) are not repeated: the results are the bf16 model's
+// function to within bf16 rounding, row by row (a row's result never depends on the other rows),
+// which is all the engine needs (every emitted token is the argmax of the forward that verified
+// it; tests/test_decode_ops.py pins the agreement with PyTorch's ops).
+//
+// Built and loaded as kernels/q4_1.c is (whiflash_core/native.py), threaded on PyTorch's libgomp.
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+// ------------------------------------------------------------------ bf16 <-> float32
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float v;
+    __builtin_memcpy(&v, &bits, 4);
+    return v;
+}
+
+// round to nearest, ties to even (PyTorch's .to(bfloat16)); NaN stays NaN
+static inline uint16_t f32_to_bf16(float v) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, &v, 4);
+    return (v != v) ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+static inline __m256 load8_bf16(const uint16_t *p) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+static inline void store8_bf16(uint16_t *p, __m256 v) {
+    // the same rounding as f32_to_bf16, 8 lanes at once (NaN lanes forced to 0x7FC0)
+    __m256i bits = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+    // pack the 8 low halves: within-lane packus then fix the lane order
+    __m256i packed = _mm256_packus_epi32(r, r);
+    packed = _mm256_permute4x64_epi64(packed, 0xD8);
+    _mm_storeu_si128((__m128i *)p, _mm256_castsi256_si128(packed));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+// e^x for 8 lanes (Cephes' expf: 2^n * p(r), r = x - n ln2; relative error ~1e-7 over the range
+// that does not under/overflow; x <= -87.3 gives 0)
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.3f), hi = _mm256_set1_ps(88.3f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+// ------------------------------------------------------------------ RMSNorm
+
+// y[r] = bf16(w * bf16(x[r] * rsqrt(mean(x[r]^2) + eps))), x, w, y bf16 [M, K] / [K]; K % 8 == 0.
+// (Hugging Face Llama: normalise in float32, cast to the model dtype, then scale by the weight.)
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, float eps, int64_t M, int64_t K, uint16_t *y) {
+#pragma omp parallel for if (M >= 8)
+    for (int64_t r = 0; r < M; r++) {
+        const uint16_t *xr = x + r * K;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= K; i += 16) {
+            __m256 a = load8_bf16(xr + i), b = load8_bf16(xr + i + 8);
+            s0 = _mm256_fmadd_ps(a, a, s0);
+            s1 = _mm256_fmadd_ps(b, b, s1);
+        }
+        for (; i < K; i += 8) {
+            __m256 a = load8_bf16(xr + i);
+            s0 = _mm256_fmadd_ps(a, a, s0);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum(_mm256_add_ps(s0, s1)) / (float)K + eps));
+        for (i = 0; i < K; i += 8) {
+            uint16_t normed[8];
+            store8_bf16(normed, _mm256_mul_ps(load8_bf16(xr + i), inv));
+            store8_bf16(y + r * K + i, _mm256_mul_ps(load8_bf16(normed), load8_bf16(w + i)));
+        }
+    }
+}
+
+// ------------------------------------------------------------------ SwiGLU
+
+// y[r, i] = bf16(silu(g) * u), g = gu[r, i], u = gu[r, H + i] (gate_proj and up_proj stacked by
+// rows, as GatedMLP's gate_up_proj); gu [M, 2H], y [M, H] bf16; H % 8 == 0.
+void silu_mul_bf16(const uint16_t *gu, int64_t M, int64_t H, uint16_t *y) {
+#pragma omp parallel for collapse(2) if (M * H >= 16384)
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t i = 0; i < H; i += 8) {
+            __m256 g = load8_bf16(gu + r * 2 * H + i), u = load8_bf16(gu + r * 2 * H + H + i);
+            // silu(g) = g / (1 + e^-g), stored in bf16 as F.silu's output is, then times up
+            uint16_t s[8];
+            store8_bf16(s, _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+            store8_bf16(y + r * H + i, _mm256_mul_ps(load8_bf16(s), u));
+        }
+}
+
+// ------------------------------------------------------------------ rotary + cache + attention
+
+// x'[d] = x[d] cos[d] + x[(d + hd/2) % hd] sin[d], sin with its first half negated (layers.Rotary):
+// Hugging Face's x cos + rotate_half(x) sin, with layers.apply_rope's roundings (each product and
+// the sum stored in bf16), so q and k are the bits PyTorch's bf16 graph makes. hd % 16 == 0.
+static inline void rope(const uint16_t *x, const uint16_t *cos, const uint16_t *sin, int64_t hd, uint16_t *out) {
+    const int64_t half = hd / 2;
+    for (int64_t d = 0; d < hd; d += 8) {
+        const int64_t e = d < half ? d + half : d - half;
+        uint16_t a[8], b[8];
+        store8_bf16(a, _mm256_mul_ps(load8_bf16(x + d), load8_bf16(cos + d)));
+        store8_bf16(b, _mm256_mul_ps(load8_bf16(x + e), load8_bf16(sin + d)));
+        store8_bf16(out + d, _mm256_add_ps(load8_bf16(a), load8_bf16(b)));
+    }
+}
+
+#define CHUNK 64  // keys per task: converted to float32 once, read by every query of their kv head
+
+// 8 dot products a[0..7] . (one query) -> lanes 0..7 (a transpose by horizontal adds)
+static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// One task of attend_rows_bf16: kv head g, keys [j0, j0 + nk) converted to float32 in kf / vf; a
+// partial softmax for each of the head group's queries. vecs = hd / 8 is a constant at each call
+// (always inlined), so the accumulators stay in registers.
+static inline __attribute__((always_inline)) void attend_chunk(const int64_t vecs, const uint16_t *q, const float *kf,
+        const float *vf, float *parts, int64_t g, int64_t c, int64_t j0, int64_t nk, int64_t chunks, int64_t start,
+        int64_t nq, int64_t group, int64_t nh, float scale) {
+    const int64_t hd = vecs * 8, part = hd + 2, j1 = j0 + nk;
+    float sc[CHUNK];
+    for (int64_t qi = 0; qi < nq; qi++) {
+        const int64_t i = qi / group, h = g * group + qi % group;
+        float *pt = parts + ((g * chunks + c) * nq + qi) * part;
+        const int64_t n = (start + i + 1 < j1 ? start + i + 1 : j1) - j0;  // keys row i sees here
+        if (n <= 0) {  // a chunk entirely in this row's future
+            pt[hd] = -INFINITY;
+            pt[hd + 1] = 0.0f;
+            continue;
+        }
+        __m256 qv[32];
+        for (int64_t d = 0; d < vecs; d++)
+            qv[d] = _mm256_mul_ps(load8_bf16(q + (i * nh + h) * hd + 8 * d), _mm256_set1_ps(scale));
+        int64_t j = 0;
+        for (; j + 8 <= n; j += 8) {  // 8 keys' scores at a time: 8 independent FMA chains
+            const float *kj = kf + j * hd;
+            __m256 a[8];
+            for (int u = 0; u < 8; u++) a[u] = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj + u * hd));
+            for (int64_t d = 1; d < vecs; d++)
+                for (int u = 0; u < 8; u++) a[u] = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kj + u * hd + 8 * d), a[u]);
+            _mm256_storeu_ps(sc + j, reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+        }
+        for (; j < n; j++) {
+            const float *kj = kf + j * hd;
+            __m256 s0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(kj));
+            for (int64_t d = 1; d < vecs; d++) s0 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kj + 8 * d), s0);
+            sc[j] = hsum(s0);
+        }
+        float m = sc[0];
+        for (j = 1; j < n; j++) m = sc[j] > m ? sc[j] : m;
+        const __m256 mv = _mm256_set1_ps(m);
+        float l = 0.0f;
+        for (j = 0; j + 8 <= n; j += 8) {
+            __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), mv));
+            _mm256_storeu_ps(sc + j, p);
+            l += hsum(p);
+        }
+        for (; j < n; j++) {
+            sc[j] = expf(sc[j] - m);
+            l += sc[j];
+        }
+        __m256 acc[32];  // acc = sum_j p_j v_j: one chain per 8 dims
+        for (int64_t d = 0; d < vecs; d++) acc[d] = _mm256_setzero_ps();
+        for (j = 0; j < n; j++) {
+            const __m256 p = _mm256_set1_ps(sc[j]);
+            for (int64_t d = 0; d < vecs; d++) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vf + j * hd + 8 * d), acc[d]);
+        }
+        for (int64_t d = 0; d < vecs; d++) _mm256_storeu_ps(pt + 8 * d, acc[d]);
+        pt[hd] = m;
+        pt[hd + 1] = l;
+    }
+}
+
+// For t new rows at positions start..start+t-1 (their q/k/v projections stacked, qkv bf16
+// [t, (nh + 2 nkv) hd]: q heads, k heads, v heads): rotate q and k (cos, sin bf16 [t, hd], the
+// rows' own positions), write k and v into the layer's cache (k, v bf16 [nkv, cap, hd]) at
+// start.., and attend causally: row i's query heads over keys 0..start+i of their kv head
+// (head h reads kv head h / (nh / nkv)), scale 1/sqrt(hd), softmax in float32. out bf16 [t, nh hd].
+//
+// Split as flash-decoding splits it: a task is one kv head and a chunk of CHUNK keys; for each of
+// its queries (every row, every head of the group) it leaves a partial softmax (max m, sum l of
+// e^(s - m), and acc = sum e^(s - m) v); the partials of a query merge at the end:
+//     out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,   M = max_c m_c.
+// Returns 0, or -1 if the scratch could not be allocated.
+int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc,
+                     int64_t cap, int64_t start, int64_t t, int64_t nh, int64_t nkv, int64_t hd, uint16_t *out) {
+    const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv, end = start + t;
+    const int64_t chunks = (end + CHUNK - 1) / CHUNK, nq = t * group;  // queries per kv head
+    const int64_t part = hd + 2;                                      // acc[hd], m, l
+    uint16_t *q = malloc(t * nh * hd * sizeof(uint16_t));
+    float *parts = malloc(nkv * chunks * nq * part * sizeof(float));
+    if (q == NULL || parts == NULL) {
+        free(q);
+        free(parts);
+        return -1;
+    }
+    for (int64_t i = 0; i < t; i++) {  // rotary, and the new keys and values into the cache
+        const uint16_t *row = qkv + i * width, *c = cos + i * hd, *s = sin + i * hd;
+        for (int64_t h = 0; h < nh; h++) rope(row + h * hd, c, s, hd, q + (i * nh + h) * hd);
+        for (int64_t h = 0; h < nkv; h++) {
+            rope(row + (nh + h) * hd, c, s, hd, kc + (h * cap + start + i) * hd);
+            const uint16_t *v = row + (nh + nkv + h) * hd;
+            uint16_t *dst = vc + (h * cap + start + i) * hd;
+            for (int64_t d = 0; d < hd; d++) dst[d] = v[d];
+        }
+    }
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
+    for (int64_t task = 0; task < nkv * chunks; task++) {
+        const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
+        const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
+        float kf[CHUNK * hd], vf[CHUNK * hd];  // hd <= 256: at most 128 KB of stack
+        for (int64_t j = 0; j < nk; j++)
+            for (int64_t d = 0; d < hd; d += 8) {
+                _mm256_storeu_ps(kf + j * hd + d, load8_bf16(kc + (g * cap + j0 + j) * hd + d));
+                _mm256_storeu_ps(vf + j * hd + d, load8_bf16(vc + (g * cap + j0 + j) * hd + d));
+            }
+        if (hd == 64) attend_chunk(8, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
+        else if (hd == 128) attend_chunk(16, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
+        else attend_chunk(hd / 8, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
+    }
+    const int64_t vecs = hd / 8;
+    for (int64_t g = 0; g < nkv; g++)  // merge each query's partials
+        for (int64_t qi = 0; qi < nq; qi++) {
+            const int64_t i = qi / group, h = g * group + qi % group;
+            float mx = -INFINITY;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float mc = parts[((g * chunks + c) * nq + qi) * part + hd];
+                mx = mc > mx ? mc : mx;
+            }
+            __m256 acc[32];
+            for (int64_t d = 0; d < vecs; d++) acc[d] = _mm256_setzero_ps();
+            float l = 0.0f;
+            for (int64_t c = 0; c < chunks; c++) {
+                const float *pt = parts + ((g * chunks + c) * nq + qi) * part;
+                if (pt[hd + 1] == 0.0f) continue;
+                const float w = expf(pt[hd] - mx);
+                l += w * pt[hd + 1];
+                for (int64_t d = 0; d < vecs; d++) acc[d] = _mm256_fmadd_ps(_mm256_set1_ps(w), _mm256_loadu_ps(pt + 8 * d), acc[d]);
+            }
+            const __m256 inv = _mm256_set1_ps(1.0f / l);
+            for (int64_t d = 0; d < vecs; d++) store8_bf16(out + (i * nh + h) * hd + 8 * d, _mm256_mul_ps(acc[d], inv));
+        }
+    free(q);
+    free(parts);
+    return 0;
+}
