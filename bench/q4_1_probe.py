@@ -31,7 +31,7 @@ from whiflash_core.quant import Int4Linear, Q41Linear  # noqa: E402
 
 SHAPES = {"qkv_proj": (960, 576), "o_proj": (576, 576), "gate_up_proj": (3072, 576), "down_proj": (576, 1536),
           "lm_head": (49152, 576)}
-ROWS = (1, 4)
+ROWS = (1, 4, 5, 8)
 CONTEXT = 300
 
 

@@ -24,7 +24,7 @@ import torch
 from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
-from . import costs
+from . import costs, decode_ops
 from .cache import cache_root
 from .engine import Engine
 from .machine import Formats, formats_from, light_formats, measure
@@ -356,6 +356,8 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
     if chosen != "dense":  # a light target gets int8 drafters (see quantize_int8)
         for drafter in found.values():
             quantize_int8(drafter, drafter_dense_from_rows(target.formats))
+            if chosen == "q4_1":  # the target's C norms for the drafters too (decode_ops)
+                decode_ops.use_for(drafter)
     calibration = RouterCalibration()
     if directory and os.path.exists(os.path.join(directory, "router.json")):
         calibration = RouterCalibration.load(os.path.join(directory, "router.json"))

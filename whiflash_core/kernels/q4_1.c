@@ -32,6 +32,7 @@
 
 #define QK 32
 #define MAX_ROWS 4  // rows of x multiplied per pass over a weight row (more rows: several passes)
+#define BLOCK_ROWS 32  // weight rows a pass covers before the next pass (a multiple of 4; see q4_1_matmul)
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 32  // weight rows fetched ahead (see tile)
 #endif
@@ -274,9 +275,16 @@ int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
         const int64_t chunk = ((N + threads - 1) / threads + 3) / 4 * 4;
         const int64_t n0 = t * chunk < N ? t * chunk : N, n1 = n0 + chunk < N ? n0 + chunk : N;
-        for (int64_t r = 0; r < M && n0 < n1; r += MAX_ROWS) {
-            const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
-            rows(R, n0, n1, K, N, qw, dw, mw, qx + r * np * QK, dx + r * np, sx + r * np, y, y_bf16, r);
+        // More than MAX_ROWS rows of x take several passes; each pass then runs over a block of
+        // BLOCK_ROWS weight rows before the next block, so a weight row comes from memory once for
+        // all the passes (the later ones find it in cache) instead of once per pass.
+        const int64_t block = M <= MAX_ROWS ? n1 - n0 : BLOCK_ROWS;
+        for (int64_t b0 = n0; b0 < n1; b0 += block) {
+            const int64_t b1 = b0 + block < n1 ? b0 + block : n1;
+            for (int64_t r = 0; r < M; r += MAX_ROWS) {
+                const int R = M - r < MAX_ROWS ? (int)(M - r) : MAX_ROWS;
+                rows(R, b0, b1, K, N, qw, dw, mw, qx + r * np * QK, dx + r * np, sx + r * np, y, y_bf16, r);
+            }
         }
     }
     free(work);
