@@ -130,6 +130,8 @@ class Attention(nn.Module):
         t, nh = qkv.shape[0], self.nh
         if (self.native_ops and self.q_norm is None and t <= decode_ops.MAX_ATTENTION_ROWS
                 and decode_ops.applies(qkv, self.hd) and k_cache.is_contiguous() and v_cache.is_contiguous()):
+            # the C path builds the causal mask itself: `mask` is always attention_mask(t, start),
+            # the only mask target forwards use
             return decode_ops.attend_rows(qkv, cos, sin, k_cache, v_cache, start, nh, self.nkv)
         qkv = qkv.view(t, nh + 2 * self.nkv, self.hd)
         qk, v = qkv[:, :nh + self.nkv], qkv[:, nh + self.nkv:]
