@@ -23,27 +23,13 @@
 
 // ------------------------------------------------------------------ bf16 <-> float32
 
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float v;
-    __builtin_memcpy(&v, &bits, 4);
-    return v;
-}
-
-// round to nearest, ties to even (PyTorch's .to(bfloat16)); NaN stays NaN
-static inline uint16_t f32_to_bf16(float v) {
-    uint32_t bits;
-    __builtin_memcpy(&bits, &v, 4);
-    return (v != v) ? 0x7FC0 : (uint16_t)((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-
 static inline __m256 load8_bf16(const uint16_t *p) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
 static inline void store8_bf16(uint16_t *p, __m256 v) {
-    // the same rounding as f32_to_bf16, 8 lanes at once (NaN lanes forced to 0x7FC0)
+    // round to nearest, ties to even (PyTorch's .to(bfloat16)), 8 lanes; NaN lanes become 0x7FC0
     __m256i bits = _mm256_castps_si256(v);
     __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
