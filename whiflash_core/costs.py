@@ -61,16 +61,23 @@ class LinearCost:
     sxx: float = 0.0
     sy: float = 0.0
     sxy: float = 0.0
+    _fit: tuple[float, float] | None = field(default=None, repr=False, compare=False)  # until the next add
 
     def add(self, x: float, y: float, decay: float = DECAY) -> None:
         self.s0, self.sx, self.sxx = decay * self.s0 + 1.0, decay * self.sx + x, decay * self.sxx + x * x
         self.sy, self.sxy = decay * self.sy + y, decay * self.sxy + x * y
+        self._fit = None
 
     @property
     def observed(self) -> bool:
         return self.s0 > 0.0
 
     def coefficients(self) -> tuple[float, float]:
+        if self._fit is None:   # the router prices ~20 candidates a round from the same line
+            self._fit = self._solve()
+        return self._fit
+
+    def _solve(self) -> tuple[float, float]:
         if not self.observed:
             return 0.0, 0.0
         var = self.s0 * self.sxx - self.sx * self.sx
@@ -99,9 +106,12 @@ class VerifyCost:
     """T(rows) of the loaded target format: a measured table's shape, observations' level."""
     table: dict[int, float] = field(default_factory=dict)   # rows -> seconds, timed at start-up
     observed: dict[int, RunningMean] = field(default_factory=dict)
+    # estimates() per max_rows while nothing is observed (the table alone: the same every round)
+    _memo: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)
 
     def add(self, rows: int, seconds: float) -> None:
         self.observed.setdefault(rows, RunningMean()).add(seconds)
+        self._memo.clear()
 
     def scale(self) -> float:
         """Observed / table time over the row counts seen (the real model, context and load vs
@@ -111,7 +121,16 @@ class VerifyCost:
         return sum(c * s for c, s in seen) / total if total else 1.0
 
     def estimates(self, max_rows: int) -> list[float]:
-        """[T(0) = 0, T(1), ..., T(max_rows)]: one call per round, so the scale is computed once."""
+        """[T(0) = 0, T(1), ..., T(max_rows)]: one call per round, so the scale is computed once.
+        The list may be shared between calls: read it, do not change it."""
+        if not self.observed:
+            memo = self._memo.get(max_rows)
+            if memo is None:
+                memo = self._memo[max_rows] = self._estimates(max_rows)
+            return memo
+        return self._estimates(max_rows)
+
+    def _estimates(self, max_rows: int) -> list[float]:
         out = [0.0]
         scale = self.scale() if self.table and self.observed else 1.0
         means = {r: m.value for r, m in self.observed.items()}
