@@ -205,7 +205,7 @@ def test_event_stream_refuses_token_text_without_the_key():
         assert httpx.get(url + "/stats").status_code == 200
         assert httpx.get(url + "/v1/speculation/methods").status_code == 401
         methods = httpx.get(url + "/v1/speculation/methods", headers={"Authorization": "Bearer secret"}).json()
-        assert methods == {"methods": ["none", "whiflash"], "default": "whiflash", "alpha": 0.5}
+        assert methods == {"methods": ["none", "whiflash"], "default": "whiflash", "alpha": 1.0}
 
 
 def test_without_a_key_only_loopback_clients_get_the_stream():

@@ -25,7 +25,9 @@ class SpeculationConfig:
                 "router` ships beside the drafters; without that file, cost), cost (the same argmax, the "
                 "expected tokens from this request's acceptance so far) or entropy (the paper's threshold "
                 "rule, the baseline)"})
-    alpha: float = field(default=0.5, metadata={
+    # 1 by default: on one stream the tokens/s-best choice (Spec-Bench alpha sweep, README "Routing
+    # and alpha"); a server whose verify forwards are shared between many requests may want less
+    alpha: float = field(default=1.0, metadata={
         "ge": 0.0, "le": 1.0, "help": "router trade-off: 1 = most tokens per second for this request (lowest "
                                       "latency), 0 = most tokens per target forward"})
     num_draft_tokens: int | None = field(default=None, metadata={
