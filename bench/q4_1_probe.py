@@ -9,8 +9,9 @@
    are called again and again, so they sit in cache: this is the kernels' arithmetic.
 2. Whole forward: the embedded target with `--weights int4` and `--weights q4_1` (bf16
    activations, LM head of the same kind; q4_1 also runs the rest of each layer through
-   kernels/decode_ops.c), 1 and 4 new rows after 300 cached positions, best of
-   15, both models interleaved over 3 rounds. Here each layer's weights come from memory again.
+   kernels/decode_ops.c, and all its layers in one C call, kernels/layers.c, which is also timed
+   off: "q4_1_modules"), 1, 4, 5 and 8 new rows after 300 cached positions, best of 15, the
+   three interleaved over 3 rounds. Here each layer's weights come from memory again.
 """
 from __future__ import annotations
 
@@ -69,11 +70,16 @@ def whole_forward() -> dict:
 
     models = {w: load_target(None, "bfloat16", formats=Formats("bfloat16", w, "bfloat16", 24, w))[0]
               for w in ("int4", "q4_1")}
+    stack = models["q4_1"].layer_stack
+    # q4_1 three ways: int4 (PyTorch's kernel and ops), q4_1 layer by layer (module calls between
+    # the C kernels: the layer stack off), q4_1 as it runs (all layers in one C call, layer_stack.py)
+    runs = {"int4": (models["int4"], None), "q4_1_modules": (models["q4_1"], None), "q4_1": (models["q4_1"], stack)}
     ids = torch.randint(0, 49152, (CONTEXT + max(ROWS),), generator=torch.Generator().manual_seed(0))
     best: dict[tuple[str, int], float] = {}
     with torch.inference_mode():
         for _ in range(3):
-            for w, model in models.items():
+            for w, (model, layers) in runs.items():
+                model.layer_stack = layers
                 cache = model.new_cache(CONTEXT + max(ROWS))
                 model(ids[:CONTEXT], cache, logits_from=CONTEXT - 1)
                 for r in ROWS:
@@ -81,11 +87,14 @@ def whole_forward() -> dict:
                         model(ids[CONTEXT:CONTEXT + r], cache)
                         cache.rollback(CONTEXT)
                     best[(w, r)] = min(best.get((w, r), float("inf")), best_us(step, 15))
+    models["q4_1"].layer_stack = stack
     out = {}
     for r in ROWS:
-        a, b = best[("int4", r)] / 1e3, best[("q4_1", r)] / 1e3
-        out[f"rows={r}"] = {"int4_ms": round(a, 2), "q4_1_ms": round(b, 2), "speedup": round(a / b, 2)}
-        print(f"forward rows={r}: int4 {a:.2f} ms, q4_1 {b:.2f} ms ({a / b:.2f}x)", flush=True)
+        a, m, b = (best[(w, r)] / 1e3 for w in ("int4", "q4_1_modules", "q4_1"))
+        out[f"rows={r}"] = {"int4_ms": round(a, 2), "q4_1_modules_ms": round(m, 2), "q4_1_ms": round(b, 2),
+                            "speedup": round(a / b, 2)}
+        print(f"forward rows={r}: int4 {a:.2f} ms, q4_1 layer by layer {m:.2f} ms, q4_1 {b:.2f} ms "
+              f"({a / b:.2f}x int4)", flush=True)
     return out
 
 

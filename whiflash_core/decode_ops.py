@@ -87,4 +87,7 @@ def use_for(model: torch.nn.Module) -> bool:
     for module in model.modules():
         if hasattr(module, "native_ops"):
             module.native_ops = True
+    if hasattr(model, "layer_stack"):   # a target: its whole layer stack in one call where it can
+        from .layer_stack import LayerStack
+        model.layer_stack = LayerStack.build(model)
     return True

@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
+    native_ops = False   # decode_ops.use_for: gate and up in one matmul, silu * up in C (bf16 rows)
+
     def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=bias)
@@ -37,7 +39,18 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_ops and x.dim() == 2 and decode_ops.applies(x) and getattr(self.gate_proj, "bias", None) is None:
+            return self.down_proj(decode_ops.silu_mul(self.gate_up()(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def gate_up(self) -> nn.Module:
+        """gate_proj and up_proj stacked by rows (quant.stack_linears), built at first use: an
+        inference copy for the native path (the weights are not trained after use_for)."""
+        stacked = self.__dict__.get("_gate_up")
+        if stacked is None:
+            from .quant import stack_linears
+            stacked = self.__dict__["_gate_up"] = stack_linears([self.gate_proj, self.up_proj])
+        return stacked
 
 
 class Rotary:

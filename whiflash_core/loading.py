@@ -28,7 +28,7 @@ from . import costs, decode_ops
 from .cache import cache_root
 from .engine import Engine
 from .machine import Formats, formats_from, light_formats, measure
-from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8
+from .quant import DENSE_FROM_ROWS, apply_weight_format, quantize_int8, quantize_linears_q4_1
 from .router import RouterCalibration
 from .router_mlp import FILE_NAME as ROUTER_MLP_FILE, RouterMLP
 from .target import STACKED, Rotary, TargetConfig, TargetModel
@@ -353,10 +353,13 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
               "(output stays exact, but almost no draft token will be accepted)", file=sys.stderr)
         found = random_drafters(target)
     chosen = target.formats.weights if target.formats is not None else weights
-    if chosen != "dense":  # a light target gets int8 drafters (see quantize_int8)
+    if chosen != "dense":  # a light target gets light drafters (see quantize_int8)
         for drafter in found.values():
-            quantize_int8(drafter, drafter_dense_from_rows(target.formats))
-            if chosen == "q4_1":  # the target's C norms for the drafters too (decode_ops)
+            if chosen == "q4_1" and drafter.q4_1_weights == "q4_1":
+                quantize_linears_q4_1(drafter, drafter_dense_from_rows(target.formats))
+            else:
+                quantize_int8(drafter, drafter_dense_from_rows(target.formats))
+            if chosen == "q4_1":  # the target's C ops for the drafters too (decode_ops)
                 decode_ops.use_for(drafter)
     calibration = RouterCalibration()
     if directory and os.path.exists(os.path.join(directory, "router.json")):

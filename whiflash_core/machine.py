@@ -54,8 +54,8 @@ CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (ve
 FORMATS_CONTEXT = 1024
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 8
-VERIFY_CACHE_VERSION = 2
+CACHE_VERSION = 9
+VERIFY_CACHE_VERSION = 3
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,44 @@ class Int8Linear(_WeightOnlyLinear):
         return torch._weight_int8pack_mm(x2.to(KERNEL_DTYPE).contiguous(), self.q, self.scales).to(x2.dtype)
 
 
+def quantize_linears_q4_1(module: nn.Module, dense_from_rows: int = 10**9) -> int:
+    """Swap bias-free linears of `module` whose input width is a whole number of Q4_1 blocks for
+    Q41Linear (quantize_q4_1 of their weights, the dense weights kept for `dense_from_rows` rows
+    on) in place; returns the count. For drafters beside a q4_1 target (Drafter.q4_1_weights)."""
+    names = [n for n, m in module.named_modules()
+             if type(m) is nn.Linear and m.bias is None and m.in_features % GROUP == 0]
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = module.get_submodule(parent_name) if parent_name else module
+        setattr(parent, attr, Q41Linear.from_dense(getattr(parent, attr).weight, dense_from_rows))
+    return len(names)
+
+
+def stack_linears(linears: list[nn.Module]) -> nn.Module:
+    """One bias-free linear whose output rows are those of `linears` in order (q/k/v, gate/up),
+    of the same kind: an Int8Linear re-quantizes the stacked dense weights (each row keeps its own
+    scale, so the same int8 values), an nn.Linear stacks its weights. One matmul call instead of
+    several, where call overhead is most of a small drafter step's cost."""
+    first = linears[0]
+    if isinstance(first, Q41Linear):   # Q4_1 blocks are per row: stacking rows is concatenating them
+        out = Q41Linear.__new__(Q41Linear)
+        nn.Module.__init__(out)
+        out.in_features, out.out_features = first.in_features, sum(m.out_features for m in linears)
+        out.qw, out.dw, out.mw = (torch.cat([getattr(m, a) for m in linears]) for a in ("qw", "dw", "mw"))
+        dense = [m.weight for m in linears]
+        out.weight = torch.cat([w.detach() for w in dense]) if all(w is not None for w in dense) else None
+        out.dense_from_rows = first.dense_from_rows if out.weight is not None else 10**9
+        return out
+    weight = torch.cat([m.weight.detach() for m in linears])
+    if isinstance(first, Int8Linear):
+        return Int8Linear(weight, first.dense_from_rows)
+    if type(first) is nn.Linear and all(m.bias is None for m in linears):
+        out = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        out.weight.data = weight
+        return out
+    raise TypeError(f"cannot stack {type(first).__name__} linears")
+
+
 def dynamic_int8_available() -> bool:
     """Whether this PyTorch build has a dynamic int8 GEMM for the CPU (fbgemm / x86 / qnnpack)."""
     return any(e in torch.backends.quantized.supported_engines for e in ("x86", "fbgemm", "qnnpack"))

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import decode_ops
+from .layer_stack import LayerStack
 from .layers import RMSNorm, Rotary, apply_rope, attend, attention_mask
 
 @dataclass
@@ -229,6 +230,8 @@ class TargetModel(nn.Module):
     prefill_twin: "TargetModel | None" = None
     formats = None  # the `machine.Formats` it was loaded in, when --weights auto chose them
     prefill_from_rows: int = 10**9
+    # decode_ops.use_for: decode and verify rows through all decoder layers in one C call
+    layer_stack: LayerStack | None = None
 
     def set_prefill_twin(self, twin: "TargetModel", from_rows: int) -> None:
         """Run forwards of `from_rows` rows or more through `twin` (same weights, other dtype).
@@ -251,8 +254,13 @@ class TargetModel(nn.Module):
         start = cache.length
         cache.reserve(t)
         cos, sin = self.rotary.tables(slice(start, start + t), self.dtype, tokens.device)
-        mask = attention_mask(t, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, tokens.device)
-        h, tap_tensor = self.run_layers(self.embed_tokens(tokens), cos, sin, cache.k, cache.v, start, mask, taps)
+        x = self.embed_tokens(tokens)
+        stack = self._stack(x, [t])
+        if stack is not None:
+            h, tap_tensor = self._run_stack(stack, x, cos, sin, [(t, start, cache)], taps)
+        else:
+            mask = attention_mask(t, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, tokens.device)
+            h, tap_tensor = self.run_layers(x, cos, sin, cache.k, cache.v, start, mask, taps)
         cache.length = start + t
         return TargetOutput(logits=self.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h)
 
@@ -270,14 +278,20 @@ class TargetModel(nn.Module):
             mask = attention_mask(rows, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, t.device)
             segments.append(Segment(rows, start, cache, cos, sin, mask))
         x = self.embed_tokens(torch.cat(tokens))
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in taps:
-                captured[i] = x
-            x = layer.forward_many(x, segments, i)
-        h = self.norm(x)
-        captured[self.cfg.num_layers] = h
-        tap_tensor = torch.stack([captured[i] for i in taps], dim=1) if taps else None
+        stack = self._stack(x, [s.rows for s in segments])
+        if stack is not None:
+            h, tap_tensor = self._run_stack(stack, x, torch.cat([s.cos for s in segments]),
+                                            torch.cat([s.sin for s in segments]),
+                                            [(s.rows, s.start, s.cache) for s in segments], taps)
+        else:
+            captured = {}
+            for i, layer in enumerate(self.layers):
+                if i in taps:
+                    captured[i] = x
+                x = layer.forward_many(x, segments, i)
+            h = self.norm(x)
+            captured[self.cfg.num_layers] = h
+            tap_tensor = torch.stack([captured[i] for i in taps], dim=1) if taps else None
         logits = self.logits(h)
         outs, row = [], 0
         for s in segments:
@@ -311,6 +325,19 @@ class TargetModel(nn.Module):
         cache.length = end
         tap_tensor = torch.stack([captured[i] for i in taps], dim=1).to(self.dtype) if taps else None
         return TargetOutput(logits=twin.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h.to(self.dtype))
+
+    def _stack(self, x: torch.Tensor, rows: list[int]) -> LayerStack | None:
+        """The layer stack, where it takes these rows (requests' row counts) of x."""
+        stack = self.layer_stack
+        return stack if stack is not None and stack.current(self) and stack.takes(x, rows) else None
+
+    def _run_stack(self, stack: LayerStack, x, cos, sin, segments, taps: tuple[int, ...]):
+        """`run_layers` by the layer stack: (h, taps) for segments (rows, start, KVCache)."""
+        tap_tensor = stack.run(x, cos, sin, segments, taps)
+        h = self.norm(x)
+        if self.cfg.num_layers in taps:
+            tap_tensor[:, taps.index(self.cfg.num_layers)] = h
+        return h, tap_tensor
 
     def run_layers(self, x, cos, sin, k_cache, v_cache, start: int, mask, taps: tuple[int, ...]):
         """Decoder layers + final norm: (h [T, hidden], taps [T, n_taps, hidden] or None)."""

@@ -100,6 +100,9 @@ class Drafter(ABC):
     # tokens past a position that its `state.cache` entry depends on: EAGLE-3 pairs position t
     # with token t + 1, so a reused prefix of m tokens determines its cache at positions < m - 1
     cache_lookahead: int = 0
+    # weights of this drafter beside a q4_1 target (loading.load_engine; any other light target:
+    # int8): "q4_1" where its steps then run in C (EAGLE-3: layer_stack.DraftLayer), else "int8"
+    q4_1_weights: str = "int8"
 
     def draft_len(self, spec: SpeculationConfig) -> int:
         """Tokens this drafter proposes per round: the request's num_draft_tokens, else its default."""

@@ -1,0 +1,152 @@
+"""kernels/layers.c (layer_stack.py): the decoder layers in one C call give the module forward's bits."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from whiflash_core import decode_ops, layer_stack, q4_1_kernel
+from whiflash_core.quant import Q41Linear
+from whiflash_core.target import TargetConfig, TargetModel
+
+pytestmark = [pytest.mark.numerics,
+              pytest.mark.skipif(not (q4_1_kernel.available() and decode_ops.available()),
+                                 reason="needs a C compiler and an x86-64 CPU with AVX2")]
+
+CFG = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=3, num_heads=4,
+                   num_kv_heads=2, head_dim=64, max_position_embeddings=512, tie_word_embeddings=False)
+TAPS = (0, 2, 3)   # the embeddings, a middle layer's input and the final-norm output
+
+
+def q4_1_target(cfg: TargetConfig = CFG, dense_from_rows: int = 10**9) -> TargetModel:
+    """A bf16 target whose decoder linears are random Q4_1 blocks, with the C ops on."""
+    torch.manual_seed(0)
+    model = TargetModel(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    model = model.bfloat16().eval()
+    rng = np.random.default_rng(0)
+    for name, mod in list(model.named_modules()):
+        if isinstance(mod, torch.nn.Linear) and name != "lm_head":
+            n, k = mod.weight.shape
+            q = rng.integers(0, 16, size=(n, k), dtype=np.uint8)
+            d = rng.uniform(0.002, 0.01, size=(n, k // 32)).astype(np.float32)
+            parent, _, attr = name.rpartition(".")
+            dense = mod.weight.data if dense_from_rows < 10**9 else None
+            setattr(model.get_submodule(parent), attr, Q41Linear(q, d, -8 * d, dense, dense_from_rows))
+    assert decode_ops.use_for(model)
+    return model
+
+
+def run(model: TargetModel, prompt: torch.Tensor, rows: torch.Tensor, stack: bool):
+    """(output, the new rows' K/V) of a forward of `rows` after `prompt`, with or without the stack."""
+    saved = model.layer_stack
+    model.layer_stack = saved if stack else None
+    try:
+        cache = model.new_cache(prompt.shape[0] + rows.shape[0])
+        model(prompt, cache)
+        out = model(rows, cache, TAPS)
+        n = prompt.shape[0]
+        return out, cache.k[:, :, n:].clone(), cache.v[:, :, n:].clone()
+    finally:
+        model.layer_stack = saved
+
+
+@pytest.mark.parametrize("t", [1, 4, 8])
+def test_the_stack_is_the_module_forward_bit_for_bit(t):
+    model = q4_1_target()
+    assert model.layer_stack is not None
+    prompt, rows = torch.randint(0, 512, (70,)), torch.randint(0, 512, (t,))
+    (ref, k_ref, v_ref), (got, k_got, v_got) = run(model, prompt, rows, False), run(model, prompt, rows, True)
+    assert torch.equal(got.logits, ref.logits)
+    assert torch.equal(got.taps, ref.taps) and torch.equal(got.last_hidden, ref.last_hidden)
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+
+
+def test_shared_forwards_through_the_stack_are_the_module_s():
+    """Several requests' rows in one call: each attends over its own cache at its own positions."""
+    model = q4_1_target()
+    prompts = [torch.randint(0, 512, (n,)) for n in (30, 75)]
+    rows = [torch.randint(0, 512, (n,)) for n in (3, 5)]
+
+    def forward_many(stack: bool):
+        saved = model.layer_stack
+        model.layer_stack = saved if stack else None
+        try:
+            caches = [model.new_cache(80) for _ in prompts]
+            for p, c in zip(prompts, caches):
+                model(p, c)
+            return model.forward_many(rows, caches, TAPS), caches
+        finally:
+            model.layer_stack = saved
+
+    (ref, ref_caches), (got, got_caches) = forward_many(False), forward_many(True)
+    for r, g, rc, gc in zip(ref, got, ref_caches, got_caches):
+        assert torch.equal(g.logits, r.logits) and torch.equal(g.taps, r.taps)
+        assert torch.equal(gc.k, rc.k) and torch.equal(gc.v, rc.v) and gc.length == rc.length
+
+
+def test_the_stack_is_used_only_where_it_applies(monkeypatch):
+    model = q4_1_target()
+    calls = []
+    real_run = layer_stack.LayerStack.run
+    monkeypatch.setattr(layer_stack.LayerStack, "run", lambda self, *a: calls.append(a[0].shape[0]) or real_run(self, *a))
+    cache = model.new_cache(64)
+    model(torch.randint(0, 512, (20,)), cache)   # a prefill: more rows than C attention takes
+    model(torch.randint(0, 512, (8,)), cache)
+    model(torch.randint(0, 512, (1,)), cache)
+    assert calls == [8, 1]
+    # a copy has other tensors: it runs its modules (and still computes the same)
+    twin = copy.deepcopy(model)
+    assert twin.layer_stack is None
+    # from a linear's dense_from_rows on, the module forward multiplies by the dense copy
+    assert q4_1_target(dense_from_rows=4).layer_stack.max_total_rows == 3
+    # float32 activations, or a Qwen3 layer (q/k norms): no stack
+    converted = q4_1_target().float()
+    assert layer_stack.LayerStack.build(converted) is None and not converted.layer_stack.current(converted)
+    qwen = TargetConfig(**{**CFG.__dict__, "qk_norm": True})
+    assert q4_1_target(qwen).layer_stack is None
+
+
+@pytest.mark.parametrize("weights", ["int8", "q4_1"])
+def test_an_eagle3_chain_step_with_native_ops_is_the_module_step(weights):
+    """The drafter side of a q4_1 target (loading.load_engine, decode_ops.use_for): chain steps with
+    q/k/v and gate/up stacked and attention in C (int8 weights), or the whole layer in C
+    (layer_stack.DraftLayer, Q4_1 weights), give the module path's logits to bf16 rounding, and the
+    same chains."""
+    from whiflash_core.drafters.base import Context, DraftSampling
+    from whiflash_core.loading import random_drafters
+    from whiflash_core.quant import quantize_int8, quantize_linears_q4_1
+
+    cfg = TargetConfig(**{**CFG.__dict__, "num_layers": 6, "vocab_size": 2048})
+    target = q4_1_target(cfg)
+    drafter = random_drafters(target, draft_vocab=512)["eagle3"]
+    (quantize_linears_q4_1 if weights == "q4_1" else quantize_int8)(drafter)
+    n = 90
+    ids = torch.randint(0, cfg.vocab_size, (n + 8,), generator=torch.Generator().manual_seed(1))
+    taps = (torch.randn(n + 8, len(drafter.tap_layers), cfg.hidden_size) * 2).bfloat16()
+    ctx = Context(ids, n, taps, drafter.tap_layers)
+
+    def chain(native: bool):
+        for m in drafter.modules():
+            if hasattr(m, "native_ops"):
+                m.native_ops = native
+        state = drafter.new_state(n + 16)
+        logits = []
+        real = drafter.logits
+        drafter.logits = lambda a: logits.append(real(a)) or logits[-1]
+        try:
+            draft = drafter.propose(state, ctx, 5, DraftSampling())
+        finally:
+            del drafter.logits
+        return draft.tokens, torch.cat(logits).float(), state.cache.k[:, :, :n + 5].clone()
+
+    ref, got = chain(False), chain(True)
+    assert torch.equal(got[0], ref[0])
+    assert (got[1] - ref[1]).abs().max() <= 0.05 * ref[1].abs().max()
+    # rotary and the cache writes are PyTorch's bits (decode_ops); attention's output rounds as SDPA's
+    assert torch.equal(got[2][:, :, :n], ref[2][:, :, :n])
+    assert decode_ops.use_for(drafter) and drafter.layers[0].self_attn.native_ops and drafter.layers[0].mlp.native_ops
+    assert (drafter.layers[0].native_layer(0) is not None) == (weights == "q4_1")

@@ -1,0 +1,150 @@
+// Every decoder layer of a bf16 target with Q4_1 linears, for the few rows of a decode step or a
+// verify, in one call: no Python between the ~10 small calls a layer makes.
+//
+// Why: with the Q4_1 kernel doing the linears and kernels/decode_ops.c the rest, a one-row forward
+// of the embedded 135M model still spent ~2 ms of ~6.5 in Python: per layer two norms, four
+// matmuls, attention, SwiGLU and two residual adds, each a module call, a few tensor allocations and
+// a ctypes call (tottime of nn.Module._call_impl, data_ptr, torch.empty in a cProfile of a decode).
+// Here the layers run back to back in C and call the very same kernels, in the same order on the
+// same inputs, so the output is the same bits as target.DecoderLayer with native ops
+// (tests/test_layer_stack.py).
+//
+// The kernels are not linked in: whiflash_core/layer_stack.py hands over the addresses of
+// q4_1_matmul (kernels/q4_1.c) and rms_norm_bf16, silu_mul_bf16, attend_rows_bf16
+// (kernels/decode_ops.c) from the libraries it already loaded (`layers_use`), so each is built once
+// with its own flags and this file needs neither's source.
+//
+// Per layer l, x [T, H] bf16 the residual stream (updated in place), rows of several requests
+// ("segments", each its own KV cache and positions) one after another:
+//     xn = rms_norm(x, input_norm)            a = attention(qkv_proj(xn)) per segment
+//     x  = bf16(x + o_proj(a))                xn = rms_norm(x, post_attention_norm)
+//     x  = bf16(x + down_proj(silu(gate) * up)),   [gate | up] = gate_up_proj(xn)
+// and the taps (Hugging Face's hidden_states[l], the stream entering layer l) copied out on the way.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef int (*matmul_fn)(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
+                         const uint16_t *mw, int64_t N, void *y, int y_bf16);
+typedef void (*norm_fn)(const uint16_t *x, const uint16_t *w, float eps, int64_t M, int64_t K, uint16_t *y);
+typedef void (*silu_fn)(const uint16_t *gu, int64_t M, int64_t H, uint16_t *y);
+typedef int (*attend_fn)(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc,
+                         int64_t cap, int64_t start, int64_t t, int64_t nh, int64_t nkv, int64_t hd, uint16_t *out);
+
+static matmul_fn matmul;
+static norm_fn rms_norm;
+static silu_fn silu_mul;
+static attend_fn attend;
+
+void layers_use(void *mm, void *norm, void *silu, void *att) {
+    matmul = (matmul_fn)mm;
+    rms_norm = (norm_fn)norm;
+    silu_mul = (silu_fn)silu;
+    attend = (attend_fn)att;
+}
+
+// A layer's weights: pointers in this order, WEIGHTS_PER_LAYER of them per layer (layer_stack.py
+// writes them); a linear is its Q4_1 blocks qw, dw, mw as kernels/q4_1.c lays them out.
+enum { INPUT_NORM, QKV_QW, QKV_DW, QKV_MW, O_QW, O_DW, O_MW, POST_NORM, GATE_UP_QW, GATE_UP_DW, GATE_UP_MW,
+       DOWN_QW, DOWN_DW, DOWN_MW, WEIGHTS_PER_LAYER };
+
+// x += y for n bf16 values: each sum in float32, rounded to nearest even (PyTorch's bf16 add);
+// NaN becomes 0x7FC0 as store8_bf16 in decode_ops.c. n % 8 == 0.
+static void add_bf16(uint16_t *x, const uint16_t *y, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) {
+        __m256 a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(x + i))), 16));
+        __m256 b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(y + i))), 16));
+        __m256 v = _mm256_add_ps(a, b);
+        __m256i bits = _mm256_castps_si256(v);
+        __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+        __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb), 16);
+        __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+        __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+        _mm_storeu_si128((__m128i *)(x + i), _mm256_castsi256_si128(packed));
+    }
+}
+
+// One layer whose attention input is given: attn_in [T, in_dim] (the normed stream for a target
+// layer; EAGLE-3's [norm(embedding), norm(hidden)] for its first layer), x [T, H] the residual.
+// Scratch as layers_bf16 allocates it. Returns 0, or nonzero if a kernel could not allocate.
+static int one_layer(const void *const *lw, int64_t l, const uint16_t *attn_in, int64_t in_dim, int64_t H,
+                     int64_t I, int64_t nh, int64_t nkv, int64_t hd, float eps, uint16_t *x, int64_t T,
+                     const uint16_t *cos, const uint16_t *sin, int64_t nseg, const int64_t *rows,
+                     const int64_t *start, const int64_t *cap, uint16_t *const *kc, uint16_t *const *vc,
+                     uint16_t *xn, uint16_t *wide, uint16_t *mid, uint16_t *back) {
+    const int64_t width = (nh + 2 * nkv) * hd;   // q, k, v heads stacked (qkv_proj's rows)
+    int status = matmul(attn_in, 1, T, in_dim, lw[QKV_QW], lw[QKV_DW], lw[QKV_MW], width, wide, 1);
+    for (int64_t s = 0, r = 0; s < nseg && status == 0; r += rows[s], s++) {
+        const int64_t layer = l * nkv * cap[s] * hd;
+        status |= attend(wide + r * width, cos + r * hd, sin + r * hd, kc[s] + layer, vc[s] + layer, cap[s],
+                         start[s], rows[s], nh, nkv, hd, mid + r * nh * hd);
+    }
+    status |= matmul(mid, 1, T, nh * hd, lw[O_QW], lw[O_DW], lw[O_MW], H, back, 1);
+    add_bf16(x, back, T * H);
+    rms_norm(x, lw[POST_NORM], eps, T, H, xn);
+    status |= matmul(xn, 1, T, H, lw[GATE_UP_QW], lw[GATE_UP_DW], lw[GATE_UP_MW], 2 * I, wide, 1);
+    silu_mul(wide, T, I, mid);
+    status |= matmul(mid, 1, T, I, lw[DOWN_QW], lw[DOWN_DW], lw[DOWN_MW], H, back, 1);
+    add_bf16(x, back, T * H);
+    return status;
+}
+
+typedef struct { uint16_t *xn, *wide, *mid, *back; } Scratch;
+
+static int scratch(Scratch *s, int64_t T, int64_t in_dim, int64_t H, int64_t I, int64_t nh, int64_t nkv, int64_t hd) {
+    const int64_t width = (nh + 2 * nkv) * hd, widest = width > 2 * I ? width : 2 * I;
+    s->xn = malloc(T * (in_dim > H ? in_dim : H) * sizeof(uint16_t));   // normed stream
+    s->wide = malloc(T * widest * sizeof(uint16_t));                   // qkv, then gate_up
+    s->mid = malloc(T * (nh * hd > I ? nh * hd : I) * sizeof(uint16_t)); // attention out, then silu * up
+    s->back = malloc(T * H * sizeof(uint16_t));                        // o_proj / down_proj outputs
+    return (s->xn && s->wide && s->mid && s->back) ? 0 : -1;
+}
+
+static void release(Scratch *s) {
+    free(s->xn);
+    free(s->wide);
+    free(s->mid);
+    free(s->back);
+}
+
+// x [T, H] bf16, T the rows of all segments; cos, sin [T, hd] bf16 (each row's position);
+// segment s: rows[s] rows at positions start[s].., its caches kc[s], vc[s] [L, nkv, cap[s], hd] bf16;
+// taps [T, ntaps, H] bf16 receives, for each j with 0 <= tap_layers[j] < L, the stream entering
+// that layer (other j are left alone: the caller fills the final-norm tap).
+// Returns 0, or -1 if scratch memory could not be allocated (x is then partly updated).
+int layers_bf16(const void *const *w, int64_t L, int64_t H, int64_t I, int64_t nh, int64_t nkv, int64_t hd,
+                float eps, uint16_t *x, int64_t T, const uint16_t *cos, const uint16_t *sin, int64_t nseg,
+                const int64_t *rows, const int64_t *start, const int64_t *cap, uint16_t *const *kc,
+                uint16_t *const *vc, const int64_t *tap_layers, int64_t ntaps, uint16_t *taps) {
+    Scratch s;
+    int status = scratch(&s, T, H, H, I, nh, nkv, hd);
+    for (int64_t l = 0; l < L && status == 0; l++) {
+        const void *const *lw = w + l * WEIGHTS_PER_LAYER;
+        for (int64_t j = 0; j < ntaps; j++)
+            if (tap_layers[j] == l)
+                for (int64_t r = 0; r < T; r++) memcpy(taps + (r * ntaps + j) * H, x + r * H, H * sizeof(uint16_t));
+        rms_norm(x, lw[INPUT_NORM], eps, T, H, s.xn);
+        status = one_layer(lw, l, s.xn, H, H, I, nh, nkv, hd, eps, x, T, cos, sin, nseg, rows, start, cap, kc, vc,
+                           s.xn, s.wide, s.mid, s.back);
+    }
+    release(&s);
+    return status == 0 ? 0 : -1;
+}
+
+// One drafter layer (layer index l of its caches) over attn_in [T, in_dim], its attention input,
+// and x [T, H], the residual stream (updated in place); the rest as layers_bf16 (no taps; the
+// layer's INPUT_NORM pointer is not read). Returns 0, or -1 if scratch could not be allocated.
+int draft_layer_bf16(const void *const *lw, int64_t l, const uint16_t *attn_in, int64_t in_dim, int64_t H,
+                     int64_t I, int64_t nh, int64_t nkv, int64_t hd, float eps, uint16_t *x, int64_t T,
+                     const uint16_t *cos, const uint16_t *sin, int64_t nseg, const int64_t *rows,
+                     const int64_t *start, const int64_t *cap, uint16_t *const *kc, uint16_t *const *vc) {
+    Scratch s;
+    int status = scratch(&s, T, in_dim, H, I, nh, nkv, hd);
+    if (status == 0)
+        status = one_layer(lw, l, attn_in, in_dim, H, I, nh, nkv, hd, eps, x, T, cos, sin, nseg, rows, start, cap,
+                           kc, vc, s.xn, s.wide, s.mid, s.back);
+    release(&s);
+    return status == 0 ? 0 : -1;
+}

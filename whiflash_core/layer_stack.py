@@ -1,0 +1,180 @@
+"""All decoder layers of a q4_1 target in one C call (kernels/layers.c), for decode and verify rows.
+
+A target in the `q4_1` format runs its linears through the Q4_1 kernel and the rest of each layer
+through kernels/decode_ops.c; what is left between those calls is Python (module calls, tensor
+allocations, ctypes argument conversion), about 70 us a layer, 2 ms of a 6.5 ms one-row forward of
+the embedded model. `LayerStack.run` does the same calls from C, layer after layer, with the same
+inputs in the same order: the same bits as the module-by-module forward (tests/test_layer_stack.py).
+
+It applies where every piece has its C kernel: bf16 activations on the CPU, every decoder linear a
+Q41Linear run by its kernel at these row counts, no q/k norms or attention biases (Llama's layer, not
+Qwen3's), at most decode_ops.MAX_ATTENTION_ROWS rows per request. Everything else (prefill, other
+formats, Qwen3) keeps the module forward.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from . import decode_ops, native, q4_1_kernel
+
+SOURCE = Path(__file__).parent / "kernels" / "layers.c"
+WEIGHTS_PER_LAYER = 14   # kernels/layers.c's enum: norm, qkv (qw, dw, mw), o, norm, gate_up, down
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    kernels, ops = q4_1_kernel._library(), decode_ops._library()
+    lib = native.build(SOURCE) if kernels is not None and ops is not None else None
+    if lib is None:
+        return None
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.layers_use.argtypes = [p, p, p, p]
+    lib.layers_use.restype = None
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
+    lib.layers_use(address(kernels.q4_1_matmul), address(ops.rms_norm_bf16), address(ops.silu_mul_bf16),
+                   address(ops.attend_rows_bf16))
+    lib.layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, i64,
+                                p, p, p, p, p, p, i64, p]
+    lib.layers_bf16.restype = ctypes.c_int
+    lib.draft_layer_bf16.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, i64,
+                                     p, p, p, p, p]
+    lib.draft_layer_bf16.restype = ctypes.c_int
+    return lib
+
+
+def _int64s(values) -> ctypes.Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _pointers(values) -> ctypes.Array:
+    return (ctypes.c_void_p * len(values))(*values)
+
+
+class LayerStack:
+    """The decoder layers of one target, ready for kernels/layers.c: their weights' addresses in
+    the C file's order, and the tensors behind them kept alive."""
+
+    def __init__(self, model, max_rows: int, max_total_rows: int):
+        cfg = model.cfg
+        self.model_id = id(model)
+        self.cfg = cfg
+        self.tensors: list[torch.Tensor] = []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            self.tensors += [layer.input_layernorm.weight, *_blocks(attn.qkv_proj), *_blocks(attn.o_proj),
+                             layer.post_attention_layernorm.weight, *_blocks(mlp.gate_up_proj), *_blocks(mlp.down_proj)]
+        self.weights = _pointers([t.data_ptr() for t in self.tensors])
+        self.max_rows, self.max_total_rows = max_rows, max_total_rows
+        self.first_norm = model.layers[0].input_layernorm.weight.data_ptr()
+
+    @classmethod
+    def build(cls, model) -> "LayerStack | None":
+        """The stack of `model`, or None where kernels/layers.c does not apply (see the module
+        docstring) or could not be built here."""
+        from .quant import Q41Linear
+
+        cfg = model.cfg
+        if (not len(model.layers) or model.dtype != torch.bfloat16 or model.device.type != "cpu" or cfg.qk_norm or cfg.attention_bias
+                or cfg.hidden_size % 16 or cfg.intermediate_size % 16 or cfg.head_dim % 16 or cfg.head_dim > 256):
+            return None
+        for layer in model.layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            if not all(isinstance(m, Q41Linear) for m in linears) or any(w.dtype != torch.bfloat16 for w in norms):
+                return None
+        if _library() is None:
+            return None
+        # per request at most the rows C attention takes, and fewer than any linear's dense_from_rows
+        # in all (from there the module forward multiplies by the dense copy instead of the kernel)
+        dense_from = min(m.dense_from_rows for m in model.modules() if isinstance(m, Q41Linear))
+        return cls(model, decode_ops.MAX_ATTENTION_ROWS, dense_from - 1)
+
+    def current(self, model) -> bool:
+        """Still the weights of `model` (not converted since)?"""
+        return self.model_id == id(model) and model.layers[0].input_layernorm.weight.data_ptr() == self.first_norm
+
+    def takes(self, x: torch.Tensor, rows: list[int]) -> bool:
+        return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and max(rows) <= self.max_rows
+                and sum(rows) <= self.max_total_rows)
+
+    def __deepcopy__(self, memo):   # a copied model has other tensors: it runs its modules
+        return None
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, segments: list[tuple[int, int, object]],
+            taps: tuple[int, ...]) -> torch.Tensor | None:
+        """The decoder layers over x [T, hidden] bf16 (the embeddings; updated in place to the
+        last layer's output): segments (rows, start, KVCache) in row order, cos / sin [T, hd] of
+        the rows' positions. Returns the taps [T, n_taps, hidden] with every layer's tap filled
+        (a final-norm tap, index num_layers, is left for the caller), or None without taps."""
+        cfg = self.cfg
+        T = x.shape[0]
+        tap_tensor = torch.empty(T, len(taps), cfg.hidden_size, dtype=x.dtype) if taps else None
+        caches = [c for _, _, c in segments]
+        if any(not (c.k.is_contiguous() and c.v.is_contiguous()) for c in caches):
+            raise ValueError("the layer stack needs contiguous KV caches")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        status = _library().layers_bf16(
+            self.weights, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+            cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(),
+            len(segments), _int64s([r for r, _, _ in segments]), _int64s([s for _, s, _ in segments]),
+            _int64s([c.capacity for c in caches]), _pointers([c.k.data_ptr() for c in caches]),
+            _pointers([c.v.data_ptr() for c in caches]), _int64s(list(taps)), len(taps),
+            None if tap_tensor is None else tap_tensor.data_ptr())
+        if status != 0:
+            raise MemoryError(f"the layer stack could not allocate scratch for {T} rows")
+        return tap_tensor
+
+
+def _blocks(linear: Q41Linear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return linear.qw, linear.dw, linear.mw
+
+
+class DraftLayer:
+    """An EAGLE-3 drafter layer ready for kernels/layers.c's `draft_layer_bf16`: its stacked Q4_1
+    q/k/v and gate/up (the attention input is given: [norm(embedding), norm(hidden)] for the first
+    layer), for the one-row-per-request chain steps (`Eagle3Layer.forward_rows`)."""
+
+    def __init__(self, layer, index: int, qkv, gate_up):
+        attn = layer.self_attn
+        self.index, self.nh, self.nkv, self.hd = index, attn.nh, attn.nkv, attn.hd
+        self.in_dim = qkv.in_features
+        self.hidden, self.intermediate = attn.o_proj.out_features, layer.mlp.down_proj.in_features
+        self.eps = layer.post_attention_layernorm.eps
+        # INPUT_NORM is not read by draft_layer_bf16: the post-attention norm's weight stands in
+        self.tensors = [layer.post_attention_layernorm.weight, *_blocks(qkv), *_blocks(attn.o_proj),
+                        layer.post_attention_layernorm.weight, *_blocks(gate_up), *_blocks(layer.mlp.down_proj)]
+        self.weights = _pointers([t.data_ptr() for t in self.tensors])
+
+    @classmethod
+    def build(cls, layer, index: int) -> "DraftLayer | None":
+        """`layer`'s C form where every piece has its kernel (bf16 norms, Q4_1 linears), else None."""
+        from .quant import Q41Linear
+
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv, gate_up = attn.qkv(), mlp.gate_up()
+        linears = (qkv, attn.o_proj, gate_up, mlp.down_proj)
+        if (not all(isinstance(m, Q41Linear) for m in linears) or layer.post_attention_layernorm.weight.dtype != torch.bfloat16
+                or attn.hd % 16 or attn.hd > 256 or mlp.down_proj.in_features % 16 or _library() is None):
+            return None
+        return cls(layer, index, qkv, gate_up)
+
+    def run(self, attn_in: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            segments: list[tuple[int, int, object]]) -> torch.Tensor:
+        """The layer over attn_in [T, in_dim] with residual [T, hidden] (both bf16): the output
+        stream [T, hidden] (a new tensor); segments (rows, start, KVCache) as LayerStack.run's."""
+        x = residual.contiguous().clone()
+        attn_in, cos, sin = attn_in.contiguous(), cos.contiguous(), sin.contiguous()
+        caches = [c for _, _, c in segments]
+        status = _library().draft_layer_bf16(
+            self.weights, self.index, attn_in.data_ptr(), self.in_dim, self.hidden, self.intermediate, self.nh,
+            self.nkv, self.hd, self.eps, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), len(segments),
+            _int64s([r for r, _, _ in segments]), _int64s([st for _, st, _ in segments]),
+            _int64s([c.capacity for c in caches]), _pointers([c.k.data_ptr() for c in caches]),
+            _pointers([c.v.data_ptr() for c in caches]))
+        if status != 0:
+            raise MemoryError(f"the drafter layer could not allocate scratch for {x.shape[0]} rows")
+        return x
