@@ -117,3 +117,20 @@ def test_a_target_with_the_ops_computes_what_pytorch_s_ops_do():
     for r, g in zip(ref, got):
         assert (g - r).abs().max() < 0.05 * r.abs().max()
         assert torch.equal(g.argmax(-1), r.argmax(-1))
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 40.0])
+def test_softmax_stats_are_the_router_s_entropy_and_top1(scale):
+    """The router's entropy and top-1 probability in one C pass (decode_ops.softmax_stats) against
+    float64 PyTorch, masked (-inf) logits included, odd lengths too (the scalar tail)."""
+    torch.manual_seed(int(scale * 10))
+    for n in (49152, 1003):
+        logits = torch.randn(n) * scale
+        logits[::97] = float("-inf")
+        entropy, top1 = decode_ops.softmax_stats(logits)
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        p = logp.exp()
+        ref_entropy = float(-(p[p > 0] * logp[p > 0]).sum())
+        assert entropy == pytest.approx(ref_entropy, rel=1e-5, abs=1e-5)
+        assert top1 == pytest.approx(float(p.max()), rel=1e-5)
+    assert decode_ops.softmax_stats(torch.randn(8).double()) is None   # not float32: PyTorch's ops decide

@@ -26,6 +26,29 @@ def test_copies_what_followed_the_longest_most_recent_match():
     assert draft([4, 1, 2, 9, 1, 2], min_ngram=3) == []
 
 
+def test_the_incremental_index_finds_what_a_full_search_finds():
+    """A request's rounds see a growing context: the state's n-gram index, fed only the new tokens
+    each round, answers as a search of the whole context from scratch does."""
+    def full_search(seq: list[int], cfg: NgramConfig) -> tuple[int, int]:
+        for size in range(min(cfg.max_ngram, len(seq) - 1), cfg.min_ngram - 1, -1):
+            hits = [j for j in range(len(seq) - size) if seq[j:j + size] == seq[-size:]]
+            if hits:
+                return size, hits[-1] + size
+        return 0, 0
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        cfg = NgramConfig(min_ngram=1 + trial % 2, max_ngram=2 + trial % 3)
+        d, ids = NgramDrafter(cfg), torch.randint(0, 5, (70,), generator=g)
+        state, n = d.new_state(0), trial % 4
+        while n < 69:
+            assert d.match(state, ids, n) == full_search(ids[:n + 1].tolist(), cfg), (trial, n)
+            n += 1 + (n * 7 + trial) % 3   # rounds accept 0-2 draft tokens
+    state = d.new_state(0)
+    d.match(state, ids, 60)
+    assert d.match(state, ids, 20) == full_search(ids[:21].tolist(), cfg)   # a shorter context: indexed afresh
+
+
 def test_whiflash_drafts_from_the_context_first_and_stays_exact():
     target = tiny_target()
     eng = Engine(target, None, {})

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import decode_ops
+
 TOP1_BINS = (0.5, 0.8, 0.95)   # situation edges on the target's top-1 probability
 RATE_DECAY = 0.9                # weight of the past per observation of a position
 PRIOR_WEIGHT = 2.0              # pseudo observations behind the prior and the drafter-wide rates
@@ -84,12 +86,18 @@ def expected_tokens_by_k(rates: list[float], k_max: int) -> list[float]:
 
 def top1_probability(logits: torch.Tensor) -> float:
     """The target's top-1 probability from its logits [V]: 1 / sum(exp(l - max l))."""
+    stats = decode_ops.softmax_stats(logits)
+    if stats is not None:
+        return stats[1]
     return float(1.0 / torch.exp(logits.float() - logits.max().float()).sum())
 
 
 def entropy_and_top1(logits: torch.Tensor) -> tuple[float, float]:
-    """The target's entropy (nats) and top-1 probability from its logits [V], from one softmax and
-    one host read (the entropy and learned policies read both)."""
+    """The target's entropy (nats) and top-1 probability from its logits [V]: one C pass over a
+    float32 CPU row (decode_ops.softmax_stats), else one softmax and one host read."""
+    stats = decode_ops.softmax_stats(logits)
+    if stats is not None:
+        return stats
     logp = torch.log_softmax(logits.float(), dim=-1)
     p = logp.exp()
     entropy, top1 = torch.stack([-(p * logp).sum(), p.max()]).tolist()

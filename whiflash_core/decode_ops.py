@@ -32,6 +32,10 @@ def _library() -> ctypes.CDLL | None:
     lib.silu_mul_bf16.restype = None
     lib.attend_rows_bf16.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, p]
     lib.attend_rows_bf16.restype = ctypes.c_int
+    lib.softmax_stats_f32.argtypes = [p, i64, p]
+    lib.softmax_stats_f32.restype = None
+    lib.mlp2_f32.argtypes = [p, i64, p, p, i64, p, p, i64, p]
+    lib.mlp2_f32.restype = None
     return lib
 
 
@@ -77,6 +81,40 @@ def attend_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
                                    out.data_ptr()) != 0:
         raise MemoryError(f"attention scratch for {t} rows over {start + t} keys could not be allocated")
     return out
+
+
+_stats_out = (ctypes.c_float * 2)()   # softmax_stats' result; only the engine's thread routes
+
+
+def softmax_stats(logits: torch.Tensor) -> tuple[float, float] | None:
+    """(entropy in nats, top-1 probability) of softmax(logits) for one float32 CPU row [V] in one
+    C call on this thread, or None where the C ops are not built or do not take it (the caller
+    then uses PyTorch's ops: acceptance.entropy_and_top1)."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 1:
+        return None
+    lib = _library()
+    if lib is None:
+        return None
+    logits = logits.contiguous()
+    lib.softmax_stats_f32(logits.data_ptr(), logits.shape[0], _stats_out)
+    return _stats_out[0], _stats_out[1]
+
+
+MAX_MLP_WIDTH = 1024   # mlp2_f32's hidden layer lives on its stack
+
+
+def mlp2(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> list[float] | None:
+    """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for float32 CPU tensors, in one C call on this thread
+    (router_mlp.RouterMLP.rates), or None where the C ops are not built or do not take these."""
+    lib = _library()
+    if (lib is None or w1.shape[0] > MAX_MLP_WIDTH
+            or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                   for t in (x, w1, b1, w2, b2))):
+        return None
+    out = (ctypes.c_float * w2.shape[0])()
+    lib.mlp2_f32(x.data_ptr(), x.shape[0], w1.data_ptr(), b1.data_ptr(), w1.shape[0], w2.data_ptr(), b2.data_ptr(),
+                 w2.shape[0], out)
+    return list(out)
 
 
 def use_for(model: torch.nn.Module) -> bool:

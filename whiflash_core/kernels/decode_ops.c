@@ -273,3 +273,66 @@ int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
     free(parts);
     return 0;
 }
+
+// ------------------------------------------------------------------ the router's softmax statistics
+
+// Entropy (nats) and top-1 probability of softmax(l) over n float32 logits, on the calling thread
+// (49,152 logits: ~15 us; as PyTorch ops over the same row, woken thread pool and all, it measured
+// ~200 us of a ~6 ms round): with m = max l, e_i = e^(l_i - m), Z = sum e_i,
+//     H = log Z - sum e_i (l_i - m) / Z,   top1 = 1 / Z.
+// -inf logits (masked tokens) count as probability 0. out[0] = H, out[1] = top1.
+void softmax_stats_f32(const float *l, int64_t n, float *out) {
+    const int64_t n8 = n / 8 * 8;
+    __m256 mx8 = _mm256_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < n8; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(l + i));
+    float m = -INFINITY;
+    {
+        float lanes[8];
+        _mm256_storeu_ps(lanes, mx8);
+        for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
+        for (int64_t i = n8; i < n; i++) m = l[i] > m ? l[i] : m;
+    }
+    const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
+    __m256 z8 = _mm256_setzero_ps(), s8 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += 8) {
+        // t >= -87.3: exp8 gives 0 below it, and 0 * t stays 0 where l = -inf
+        __m256 t = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), mv), lo);
+        __m256 e = exp8(t);
+        z8 = _mm256_add_ps(z8, e);
+        s8 = _mm256_fmadd_ps(e, t, s8);
+    }
+    float z = hsum(z8), s = hsum(s8);
+    for (int64_t i = n8; i < n; i++) {
+        float t = l[i] - m;
+        t = t < -87.3f ? -87.3f : t;
+        float e = t <= -87.3f ? 0.0f : expf(t);
+        z += e;
+        s += e * t;
+    }
+    out[0] = logf(z) - s / z;
+    out[1] = 1.0f / z;
+}
+
+// ------------------------------------------------------------------ the learned router's MLP
+
+static float dot_f32(const float *a, const float *b, int64_t n) {
+    __m256 s = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    float t = hsum(s);
+    for (; i < n; i++) t += a[i] * b[i];
+    return t;
+}
+
+// out[O] = sigmoid(w2 @ gelu(w1 @ x + b1) + b2), float32, on the calling thread (router_mlp.py's
+// RouterMLP.rates: 588 -> 72 -> K; the exact, erf GELU). w1 [Hd, F], w2 [O, Hd] row-major;
+// Hd <= 1024.
+void mlp2_f32(const float *x, int64_t F, const float *w1, const float *b1, int64_t Hd, const float *w2,
+              const float *b2, int64_t O, float *out) {
+    float h[1024];
+    for (int64_t j = 0; j < Hd; j++) {
+        const float v = dot_f32(w1 + j * F, x, F) + b1[j];
+        h[j] = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
+    }
+    for (int64_t o = 0; o < O; o++) out[o] = 1.0f / (1.0f + expf(-(dot_f32(w2 + o * Hd, h, Hd) + b2[o])));
+}
