@@ -41,6 +41,10 @@ run .venv/bin/whiflash bench --workload ../shared/data/bench/spec_bench.jsonl --
   --threads "$threads" --weights auto --methods "$methods" --peers llama_cpp \
   --out "$out/specbench_${class}.json" --markdown "$out/specbench_${class}.md"
 date
+run .venv/bin/whiflash bench --workload ../shared/data/bench/spec_bench.jsonl --limit 1 --max-tokens 128 \
+  --threads "$threads" --weights auto --methods whiflash --alpha-sweep 0,0.25,0.5,0.75,1 \
+  --out "$out/alpha_sweep_spec_${class}.json"
+date
 run .venv/bin/whiflash bench --workload bench/workload_agentic.jsonl --max-tokens 128 \
   --threads "$threads" --weights auto --methods "$methods" --peers llama_cpp \
   --out "$out/agentic_${class}.json" --markdown "$out/agentic_${class}.md"
