@@ -216,3 +216,34 @@ def test_the_shipped_router_mlp_loads_and_is_small():
     mlp = RouterMLP.load(path)
     assert mlp.cfg.hidden_size == 576 and set(mlp.cfg.drafters) == {"eagle3", "dflash", "ngram"}
     assert os.path.exists(os.path.join(SHIPPED_DRAFTERS, "router_mlp.md"))
+
+
+def test_learned_predictions_are_calibrated_by_what_the_request_accepts():
+    """An MLP that promises EAGLE-3 drafts of 0.9 per position: while the request accepts them the
+    router keeps drafting; once they are all rejected, this request's calibration scales the
+    promise down until a plain step wins (the MLP alone would keep drafting forever)."""
+    from whiflash_core.costs import CostModel
+    from whiflash_core.rounds import Round
+
+    eng = tiny_engine(torch.float32)
+    mlp = _random_mlp(eng)
+    mlp.rates = lambda x: {name: [0.9 if name == "eagle3" else 0.0] * k
+                           for name, k in zip(mlp.cfg.drafters, mlp.cfg.draft_lens)}
+    costs = CostModel.with_table({1: 1.0, 2: 1.25, 3: 1.5, 4: 1.75, 5: 2.0})
+    spec = SpeculationConfig(method="whiflash", policy="learned", alpha=1.0, prompt_lookup=False)
+
+    def run(accept_all: bool) -> list[str | None]:
+        router = router_module.Router(eng.drafters, spec, 2.0, costs, mlp)
+        picked = []
+        for i in range(30):
+            inputs = router_module.RoundInputs(limit=8, top1=0.5, entropy=1.0, backlogs=dict.fromkeys(router.drafters, 0),
+                                               hidden=torch.zeros(eng.target.cfg.hidden_size))
+            route = router.choose(inputs)
+            picked.append(route.drafter)
+            k = route.draft_len
+            router.observe(route, Round(index=i + 1, drafter=route.drafter, draft_len=k, accepted=k if accept_all else 0))
+        return picked
+
+    accepted, rejected = run(True), run(False)
+    assert set(accepted) == {"eagle3"}
+    assert rejected[0] == "eagle3" and set(rejected[-10:]) == {None}

@@ -160,6 +160,7 @@ class Route:
     situation: int = 0               # the acceptance model's bucket (acceptance.situation)
     expected_tokens: float | None = None   # cost policy: g of the chosen candidate
     expected_s: float | None = None        # cost policy: t of the chosen candidate
+    predicted_accepted: float | None = None   # learned policy: the MLP's own g - 1 for it (before calibration)
 
 
 @dataclass
@@ -183,6 +184,27 @@ def best(candidates: list[Candidate], alpha: float) -> Candidate:
     return top
 
 
+@dataclass
+class Calibration:
+    """How the learned policy's predictions fared in this request, per drafter: decayed sums of
+    the accepted tokens it predicted (its own g - 1 of the chosen draft) and of those accepted.
+    The MLP is trained on other text; a request whose text a drafter knows less well (translation,
+    humanities for EAGLE-3) would otherwise keep being routed by an optimism it never shows.
+    Each drafter's predicted rates are scaled by (accepted + w) / (predicted + w), w = PRIOR
+    pseudo tokens on both sides, so the first rounds trust the MLP and later ones this request."""
+    predicted: float = 0.0
+    accepted: float = 0.0
+    PRIOR = 2.0
+    DECAY = 0.9
+
+    def add(self, predicted: float, accepted: int) -> None:
+        self.predicted = self.DECAY * self.predicted + predicted
+        self.accepted = self.DECAY * self.accepted + accepted
+
+    def factor(self) -> float:
+        return (self.accepted + self.PRIOR) / (self.predicted + self.PRIOR)
+
+
 class Router:
     """Per-request routing: the drafters a method uses and each round's choice among them."""
 
@@ -204,6 +226,7 @@ class Router:
         self.entropy = EntropyRouter(threshold, *ROUTED["whiflash"]) if self.routes else None
         self.costs = costs if costs is not None else CostModel()
         self.acceptance = AcceptanceModel()
+        self.calibration: dict[str, Calibration] = {}   # learned policy: per drafter, this request's
         self.previous: str | None = None
         # positions every drafter catches up on once per request, whichever round first picks it
         # (the prompt): charged to no round, or a long prompt would keep the drafters from ever
@@ -259,6 +282,8 @@ class Router:
         """Learn from the round `route` led to: its drafter's acceptance, the round's costs."""
         if route.drafter is not None:
             self.acceptance.update(route.drafter, route.situation, r.draft_len, r.accepted)
+            if route.predicted_accepted is not None and r.draft_len > 0:
+                self.calibration.setdefault(route.drafter, Calibration()).add(route.predicted_accepted, r.accepted)
         self.costs.observe(route.drafter, route.draft_len, r.draft_len + 1, route.backlog, r.times)
 
     # -- policies -------------------------------------------------------------------------------
@@ -276,6 +301,7 @@ class Router:
         candidates = [Candidate(None, 0, 1.0, self.costs.round_time(None, 0, 0, verify))]
         predicted = self.predicted_rates(inputs)
         where: dict[str, int] = {}
+        raw: dict[tuple[str, int], float] = {}   # learned: the MLP's own expected accepted tokens
         for name in self.drafters:
             k_max = min(self.draft_lens[name], inputs.limit)
             if name == LOOKUP:
@@ -283,15 +309,23 @@ class Router:
             if k_max <= 0:
                 continue
             where[name] = situation(name, inputs.top1, inputs.match)
-            rates = predicted.get(name) or self.acceptance.rates(name, where[name], k_max)
-            # a request drafting past the positions the MLP predicts: its last rate for the rest
-            rates = rates + rates[-1:] * (k_max - len(rates))
+            rates = predicted.get(name)
+            if rates is not None:
+                # a request drafting past the positions the MLP predicts: its last rate for the rest
+                rates = rates + rates[-1:] * (k_max - len(rates))
+                raw.update(((name, k), g - 1.0) for k, g in enumerate(expected_tokens_by_k(rates, k_max)))
+                calibration = self.calibration.get(name)
+                if calibration is not None:
+                    f = calibration.factor()
+                    rates = [min(p * f, 1.0) for p in rates]
+            else:
+                rates = self.acceptance.rates(name, where[name], k_max)
             gains = expected_tokens_by_k(rates, k_max)
             candidates += [Candidate(name, k, gains[k], self.costs.round_time(name, k, inputs.backlogs[name], verify))
                            for k in range(1, k_max + 1)]
         c = best(candidates, self.alpha)
         return Route(c.drafter, c.k, situation=where.get(c.drafter, 0), expected_tokens=c.tokens,
-                     expected_s=c.seconds)
+                     expected_s=c.seconds, predicted_accepted=raw.get((c.drafter, c.k)))
 
     def predicted_rates(self, inputs: RoundInputs) -> dict[str, list[float]]:
         """The learned policy's p_1..p_K per drafter it has a head for ({} for the cost policy)."""
