@@ -417,10 +417,12 @@ def test_chat_page_streams_an_answer_with_its_stats(live_server, page):
     assert plain_lengths, "no streamed text was shown before the final chunk"
     meta = page.locator(".msg.assistant .meta").inner_text()
     assert "whiflash" in meta and "acceptance length" in meta and "tokens/s" in meta
-    # the same request through the API gives the same greedy answer and the same sources
+    # the same request through the API (the alpha the page sent: the server's default) gives the
+    # same greedy answer and the same sources
+    alpha = float(page.input_value("#alpha"))
     r = live_server.client().chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=24,
-        temperature=0, extra_body={"speculation": {"method": "whiflash", "alpha": 0.5, "trace": True}})
+        temperature=0, extra_body={"speculation": {"method": "whiflash", "alpha": alpha, "trace": True}})
     trace = r.model_extra["speculation"]["tokens"]
     shown = tokens.evaluate_all("els => els.map(e => [e.dataset.source, e.textContent])")
     assert shown == [[t["source"], t["text"]] for t in trace]
