@@ -83,9 +83,6 @@ def attend_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     return out
 
 
-_stats_out = (ctypes.c_float * 2)()   # softmax_stats' result; only the engine's thread routes
-
-
 def softmax_stats(logits: torch.Tensor) -> tuple[float, float] | None:
     """(entropy in nats, top-1 probability) of softmax(logits) for one float32 CPU row [V] in one
     C call on this thread, or None where the C ops are not built or do not take it (the caller
@@ -96,8 +93,9 @@ def softmax_stats(logits: torch.Tensor) -> tuple[float, float] | None:
     if lib is None:
         return None
     logits = logits.contiguous()
-    lib.softmax_stats_f32(logits.data_ptr(), logits.shape[0], _stats_out)
-    return _stats_out[0], _stats_out[1]
+    out = (ctypes.c_float * 2)()
+    lib.softmax_stats_f32(logits.data_ptr(), logits.shape[0], out)
+    return out[0], out[1]
 
 
 MAX_MLP_WIDTH = 1024   # mlp2_f32's hidden layer lives on its stack

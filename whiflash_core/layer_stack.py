@@ -54,6 +54,17 @@ def _pointers(values) -> ctypes.Array:
     return (ctypes.c_void_p * len(values))(*values)
 
 
+def _segment_args(segments: list[tuple[int, int, object]]) -> tuple:
+    """kernels/layers.c's per-segment arguments for segments (rows, start, KVCache): their count,
+    rows, starts, cache capacities and K / V cache addresses."""
+    caches = [c for _, _, c in segments]
+    if any(not (c.k.is_contiguous() and c.v.is_contiguous()) for c in caches):
+        raise ValueError("the layer stack needs contiguous KV caches")
+    return (len(segments), _int64s([r for r, _, _ in segments]), _int64s([st for _, st, _ in segments]),
+            _int64s([c.capacity for c in caches]), _pointers([c.k.data_ptr() for c in caches]),
+            _pointers([c.v.data_ptr() for c in caches]))
+
+
 class LayerStack:
     """The decoder layers of one target, ready for kernels/layers.c: their weights' addresses in
     the C file's order, and the tensors behind them kept alive."""
@@ -113,16 +124,11 @@ class LayerStack:
         cfg = self.cfg
         T = x.shape[0]
         tap_tensor = torch.empty(T, len(taps), cfg.hidden_size, dtype=x.dtype) if taps else None
-        caches = [c for _, _, c in segments]
-        if any(not (c.k.is_contiguous() and c.v.is_contiguous()) for c in caches):
-            raise ValueError("the layer stack needs contiguous KV caches")
         cos, sin = cos.contiguous(), sin.contiguous()
         status = _library().layers_bf16(
             self.weights, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(),
-            len(segments), _int64s([r for r, _, _ in segments]), _int64s([s for _, s, _ in segments]),
-            _int64s([c.capacity for c in caches]), _pointers([c.k.data_ptr() for c in caches]),
-            _pointers([c.v.data_ptr() for c in caches]), _int64s(list(taps)), len(taps),
+            *_segment_args(segments), _int64s(list(taps)), len(taps),
             None if tap_tensor is None else tap_tensor.data_ptr())
         if status != 0:
             raise MemoryError(f"the layer stack could not allocate scratch for {T} rows")
@@ -168,13 +174,10 @@ class DraftLayer:
         stream [T, hidden] (a new tensor); segments (rows, start, KVCache) as LayerStack.run's."""
         x = residual.contiguous().clone()
         attn_in, cos, sin = attn_in.contiguous(), cos.contiguous(), sin.contiguous()
-        caches = [c for _, _, c in segments]
         status = _library().draft_layer_bf16(
             self.weights, self.index, attn_in.data_ptr(), self.in_dim, self.hidden, self.intermediate, self.nh,
-            self.nkv, self.hd, self.eps, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(), len(segments),
-            _int64s([r for r, _, _ in segments]), _int64s([st for _, st, _ in segments]),
-            _int64s([c.capacity for c in caches]), _pointers([c.k.data_ptr() for c in caches]),
-            _pointers([c.v.data_ptr() for c in caches]))
+            self.nkv, self.hd, self.eps, x.data_ptr(), x.shape[0], cos.data_ptr(), sin.data_ptr(),
+            *_segment_args(segments))
         if status != 0:
             raise MemoryError(f"the drafter layer could not allocate scratch for {x.shape[0]} rows")
         return x

@@ -213,11 +213,7 @@ def quantize_linears_q4_1(module: nn.Module, dense_from_rows: int = 10**9) -> in
     on) in place; returns the count. For drafters beside a q4_1 target (Drafter.q4_1_weights)."""
     names = [n for n, m in module.named_modules()
              if type(m) is nn.Linear and m.bias is None and m.in_features % GROUP == 0]
-    for name in names:
-        parent_name, _, attr = name.rpartition(".")
-        parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, Q41Linear.from_dense(getattr(parent, attr).weight, dense_from_rows))
-    return len(names)
+    return _swap_linears(module, names, lambda weight: Q41Linear.from_dense(weight, dense_from_rows))
 
 
 def stack_linears(linears: list[nn.Module]) -> nn.Module:
@@ -301,10 +297,15 @@ def quantize_int8(module: nn.Module, dense_from_rows: int = 10**9, names: list[s
     """
     if names is None:
         names = [n for n, m in module.named_modules() if isinstance(m, nn.Linear) and m.bias is None]
+    return _swap_linears(module, names, lambda weight: Int8Linear(weight, dense_from_rows))
+
+
+def _swap_linears(module: nn.Module, names: list[str], make) -> int:
+    """Replace each linear `names` of `module` by make(its weight) in place; returns the count."""
     for name in names:
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        setattr(parent, attr, Int8Linear(getattr(parent, attr).weight, dense_from_rows))
+        setattr(parent, attr, make(getattr(parent, attr).weight))
     return len(names)
 
 

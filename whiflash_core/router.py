@@ -301,7 +301,7 @@ class Router:
         candidates = [Candidate(None, 0, 1.0, self.costs.round_time(None, 0, 0, verify))]
         predicted = self.predicted_rates(inputs)
         where: dict[str, int] = {}
-        raw: dict[tuple[str, int], float] = {}   # learned: the MLP's own expected accepted tokens
+        raw: dict[str, list[float]] = {}   # learned: g by k from the MLP's own rates, per drafter
         for name in self.drafters:
             k_max = min(self.draft_lens[name], inputs.limit)
             if name == LOOKUP:
@@ -313,19 +313,19 @@ class Router:
             if rates is not None:
                 # a request drafting past the positions the MLP predicts: its last rate for the rest
                 rates = rates + rates[-1:] * (k_max - len(rates))
-                raw.update(((name, k), g - 1.0) for k, g in enumerate(expected_tokens_by_k(rates, k_max)))
+                gains = raw[name] = expected_tokens_by_k(rates, k_max)
                 calibration = self.calibration.get(name)
                 if calibration is not None:
                     f = calibration.factor()
-                    rates = [min(p * f, 1.0) for p in rates]
+                    gains = expected_tokens_by_k([min(p * f, 1.0) for p in rates], k_max)
             else:
-                rates = self.acceptance.rates(name, where[name], k_max)
-            gains = expected_tokens_by_k(rates, k_max)
+                gains = expected_tokens_by_k(self.acceptance.rates(name, where[name], k_max), k_max)
             candidates += [Candidate(name, k, gains[k], self.costs.round_time(name, k, inputs.backlogs[name], verify))
                            for k in range(1, k_max + 1)]
         c = best(candidates, self.alpha)
         return Route(c.drafter, c.k, situation=where.get(c.drafter, 0), expected_tokens=c.tokens,
-                     expected_s=c.seconds, predicted_accepted=raw.get((c.drafter, c.k)))
+                     expected_s=c.seconds,
+                     predicted_accepted=raw[c.drafter][c.k] - 1.0 if c.drafter in raw else None)
 
     def predicted_rates(self, inputs: RoundInputs) -> dict[str, list[float]]:
         """The learned policy's p_1..p_K per drafter it has a head for ({} for the cost policy)."""

@@ -275,15 +275,17 @@ class TargetModel(nn.Module):
             rows, start = t.shape[0], cache.length
             cache.reserve(rows)
             cos, sin = self.rotary.tables(slice(start, start + rows), self.dtype)
-            mask = attention_mask(rows, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, t.device)
-            segments.append(Segment(rows, start, cache, cos, sin, mask))
+            segments.append(Segment(rows, start, cache, cos, sin, None))
         x = self.embed_tokens(torch.cat(tokens))
         stack = self._stack(x, [s.rows for s in segments])
-        if stack is not None:
+        if stack is not None:   # builds its causal masks itself
             h, tap_tensor = self._run_stack(stack, x, torch.cat([s.cos for s in segments]),
                                             torch.cat([s.sin for s in segments]),
                                             [(s.rows, s.start, s.cache) for s in segments], taps)
         else:
+            for s in segments:
+                s.mask = attention_mask(s.rows, s.start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype,
+                                        x.device)
             captured = {}
             for i, layer in enumerate(self.layers):
                 if i in taps:
