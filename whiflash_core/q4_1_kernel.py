@@ -32,7 +32,16 @@ def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, ctypes.c_int, i64, i64, p, p, p, i64, p, ctypes.c_int]
     fn.restype = ctypes.c_int  # 0, or -1 when its work memory could not be allocated
+    lib.q4_1_layout.argtypes = [i64]
+    lib.q4_1_layout.restype = ctypes.c_int
     return lib
+
+
+def outputs_in_lanes(n: int) -> bool:
+    """Whether this machine's kernel takes N = n output rows packed with outputs in lanes (AVX-512
+    VNNI and n % 16 == 0, kernels/q4_1.c) rather than blocks in lanes."""
+    lib = _library()
+    return lib is not None and bool(lib.q4_1_layout(n))
 
 
 isa = native.isa
@@ -62,10 +71,36 @@ def groups(np_: int) -> list[tuple[int, int]]:
 
 def pack(q, d, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q4_1 blocks (q uint8 [N, K] with values 0..15, d and m [N, K/32]; numpy or torch) -> the
-    kernel's (qw, dw, mw), blocks in lanes (kernels/q4_1.c): in each group of 8 blocks (the last
-    ones maybe 4 and 2: `groups`), vector v holds elements 4v..4v+3 of block j in lane j, vectors 2i and 2i + 1 sharing
-    bytes as low and high nibbles; d and m fp16 (the GGUF's own precision); zero-padded."""
+    kernel's (qw, dw, mw), in the layout this machine's kernel takes for N rows (kernels/q4_1.c):
+    outputs in lanes (`outputs_in_lanes`), else blocks in lanes. Either way row-major in N (the
+    rows of several linears stack by concatenation, quant.stack_linears, where each keeps the layout
+    of the whole) and d and m fp16 (the GGUF's own precision)."""
     q = torch.as_tensor(q, dtype=torch.uint8)
+    n, k = q.shape
+    if outputs_in_lanes(n):
+        return _pack_outputs_in_lanes(q, d, m)
+    return _pack_blocks_in_lanes(q, d, m)
+
+
+def _pack_outputs_in_lanes(q: torch.Tensor, d, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per group o of 16 output rows and block b: 4 vectors of 16 lanes x 4 bytes, vector j's lane l
+    holding w[16o + l][32b + 4j + c] (low nibbles) and w[16o + l][32b + 16 + 4j + c] (high), c < 4;
+    d and m as [group, block, lane]."""
+    n, k = q.shape
+    nb = k // GROUP
+    blocks = q.reshape(n // 16, 16, nb, 2, 4, 4)                    # [o, l, b, half, j, c]
+    qw = (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)   # [o, b, j, l, c]
+
+    def scales(a) -> torch.Tensor:
+        return torch.as_tensor(a).to(torch.float16).reshape(n // 16, 16, nb).transpose(1, 2).reshape(n, nb)
+
+    return qw.reshape(n, nb * 16).contiguous(), scales(d).contiguous(), scales(m).contiguous()
+
+
+def _pack_blocks_in_lanes(q: torch.Tensor, d, m) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """In each group of 8 blocks (the last ones maybe 4 and 2: `groups`), vector v holds elements
+    4v..4v+3 of block j in lane j, vectors 2i and 2i + 1 sharing bytes as low and high nibbles;
+    zero-padded to an even number of blocks."""
     n, k = q.shape
     nb, np_ = k // GROUP, padded_blocks(k)
     blocks = torch.zeros(n, np_, GROUP, dtype=torch.uint8)

@@ -226,6 +226,8 @@ def stack_linears(linears: list[nn.Module]) -> nn.Module:
         out = Q41Linear.__new__(Q41Linear)
         nn.Module.__init__(out)
         out.in_features, out.out_features = first.in_features, sum(m.out_features for m in linears)
+        if len({q4_1_kernel.outputs_in_lanes(m.out_features) for m in linears + [out]}) > 1:
+            raise ValueError("these Q4_1 linears are packed in different layouts: they cannot be stacked")
         out.qw, out.dw, out.mw = (torch.cat([getattr(m, a) for m in linears]) for a in ("qw", "dw", "mw"))
         dense = [m.weight for m in linears]
         out.weight = torch.cat([w.detach() for w in dense]) if all(w is not None for w in dense) else None

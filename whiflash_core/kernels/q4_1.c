@@ -22,6 +22,23 @@
 //   per row of x (laid out here, per call): qx [np * 32] int8 in the same vector order, dx and sx
 //       [np] float32
 //
+// Outputs in lanes (AVX-512 VNNI, for N % 16 == 0: q4_1_layout). Where a verify of a few rows
+// is bound by instructions, not by reading the weights, blocks in lanes spend most of theirs
+// outside the dot products: a horizontal sum and a store per output, and (K = 576: 16 blocks + 2)
+// a short group costing as much as the full ones. Here a 512-bit vector holds 16 consecutive
+// output rows instead, 4 weights of each, so one dpbusd against x's 4 int8 values of the same
+// columns (broadcast) advances 16 dot products, and each block ends with one convert and two
+// FMAs for 16 outputs: no horizontal sums, no short groups. Layout, per group o of 16 output
+// rows (16o..16o+15) and block b (K / 32 blocks, no padding):
+//   qw: 4 vectors of 64 bytes; in vector j, lane l's 4 bytes c = 0..3 hold weights
+//       w[16o + l][32b + 4j + c] (low nibbles) and w[16o + l][32b + 16 + 4j + c] (high nibbles);
+//       as a tensor [N, nb * 16] bytes: the group's 16 rows are its nb * 256 bytes
+//   dw, mw: 16 fp16 (the group's rows), as a tensor [N, nb]
+//   qx: x's int8 values in their natural order, dx and sx [nb]
+// Every row of x runs the same instructions in the same order whatever the other rows (up to 8
+// share a pass over a group's weights, which stay in cache for the next 8), so a row's result
+// never depends on the others.
+//
 // Built on the machine that runs it (whiflash_core/q4_1_kernel.py: cc -O3 -march=native, or the
 // AVX2 class when ATEN_CPU_CAPABILITY=avx2 forces it), loaded with ctypes, threaded with the
 // OpenMP runtime PyTorch already loaded (same libgomp soname, so one thread pool).
@@ -38,6 +55,16 @@
 #endif
 
 static inline int64_t padded_blocks(int64_t K) { return (K / QK + 1) / 2 * 2; }
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define LANES16 1
+#else
+#define LANES16 0
+#endif
+#define LANE_ROWS 8   // rows of x per pass over a group's weights (outputs in lanes)
+
+// 1 where weights of N output rows are packed with outputs in lanes (q4_1_kernel.pack asks).
+int q4_1_layout(int64_t N) { return LANES16 && N % 16 == 0; }
 
 // The short groups' first blocks: [full8, four) in groups of 8, [four, two) one of 4, [two, np) one of 2.
 static inline int64_t full8(int64_t np) { return np / 8 * 8; }
@@ -61,9 +88,10 @@ static inline int64_t word_offset(int64_t b, int64_t v, int64_t np) {
     return e * QK + 8 * v + 4 * (b - e);
 }
 
-// One row of K values (K a multiple of 32) -> its qx, dx and sx (layouts above).
-static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *dx, float *sx) {
-    const int64_t nb = K / QK, np = padded_blocks(K);
+// One row of K values (K a multiple of 32) -> its qx, dx and sx (layouts above; `natural`: the
+// outputs-in-lanes layout, no padding block).
+static void quantize_row(const void *x, int bf16, int64_t K, int natural, int8_t *qx, float *dx, float *sx) {
+    const int64_t nb = K / QK, np = natural ? nb : padded_blocks(K);
     const __m256 sign = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < np; b++) {
         int32_t words[8] = {0};  // the block's 32 int8 values, 4 to a word
@@ -95,7 +123,7 @@ static void quantize_row(const void *x, int bf16, int64_t K, int8_t *qx, float *
             s4 = _mm_hadd_epi32(s4, s4);
             s = d * (float)_mm_cvtsi128_si32(s4);
         }
-        for (int v = 0; v < 8; v++) *(int32_t *)(qx + word_offset(b, v, np)) = words[v];
+        for (int v = 0; v < 8; v++) *(int32_t *)(qx + (natural ? b * QK + 4 * v : word_offset(b, v, np))) = words[v];
         dx[b] = d;
         sx[b] = s;
     }
@@ -251,6 +279,92 @@ static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint
     }
 }
 
+// ------------------------------------------------------------------ outputs in lanes
+#if LANES16
+// y[r0 + r, 16o .. 16o + 15] = 16 floats, stored as float32 or bf16 (store()'s rounding, 16 lanes)
+static inline void store16(void *y, int bf16, int64_t i, __m512 v) {
+    if (!bf16) {
+        _mm512_storeu_ps((float *)y + i, v);
+        return;
+    }
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+    r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256((__m256i *)((uint16_t *)y + i), _mm512_cvtepi32_epi16(r));
+}
+
+// Output group o (rows 16o..16o+15 of W) for R (1..LANE_ROWS, a constant at each call) rows of x
+// from row r0: per block, 8 dpbusd per row (two chains: low and high nibbles), then
+// acc += (d * dx) * dot + m * sx for the 16 outputs at once.
+static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_t o, int64_t nb, int64_t K,
+        int64_t N, const uint8_t *qw, const uint16_t *dw, const uint16_t *mw, const int8_t *qx, const float *dx,
+        const float *sx, void *y, int y_bf16, int64_t r0) {
+    const uint8_t *wo = qw + o * nb * 256;
+    const uint16_t *dwo = dw + o * nb * 16, *mwo = mw + o * nb * 16;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = wo + b * 256;
+        // the weights stream from memory once: ask for those PREFETCH_ROWS output rows ahead
+        for (int off = 0; off < 256; off += 64) _mm_prefetch((const char *)(wb + PREFETCH_ROWS * nb * 16 + off), _MM_HINT_T0);
+        __m512i i0[R], i1[R];
+        for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm512_setzero_si512();
+        for (int j = 0; j < 4; j++) {
+            const __m512i t = _mm512_loadu_si512(wb + 64 * j);
+            const __m512i lo = _mm512_and_si512(t, low), hi = _mm512_and_si512(_mm512_srli_epi16(t, 4), low);
+            for (int r = 0; r < R; r++) {
+                const int32_t *xw = (const int32_t *)(qx + (r0 + r) * K + b * QK);
+                i0[r] = _mm512_dpbusd_epi32(i0[r], lo, _mm512_set1_epi32(xw[j]));
+                i1[r] = _mm512_dpbusd_epi32(i1[r], hi, _mm512_set1_epi32(xw[j + 4]));
+            }
+        }
+        const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dwo + b * 16)));
+        const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mwo + b * 16)));
+        for (int r = 0; r < R; r++) {
+            const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(dx[(r0 + r) * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0[r], i1[r])), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(sx[(r0 + r) * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) store16(y, y_bf16, (r0 + r) * N + 16 * o, acc[r]);
+}
+
+static int lanes_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
+                        const uint16_t *mw, int64_t N, void *y, int y_bf16) {
+    const int64_t nb = K / QK, groups = N / 16;
+    int8_t *work = malloc(M * nb * (QK + 2 * sizeof(float)));
+    if (work == NULL) return -1;
+    int8_t *qx = work;
+    float *dx = (float *)(work + M * nb * QK), *sx = dx + M * nb;
+    const int64_t row_bytes = K * (x_bf16 ? 2 : 4);
+    for (int64_t r = 0; r < M; r++)
+        quantize_row((const char *)x + r * row_bytes, x_bf16, K, 1, qx + r * K, dx + r * nb, sx + r * nb);
+#pragma omp parallel
+    {
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t chunk = (groups + threads - 1) / threads;
+        const int64_t o0 = t * chunk < groups ? t * chunk : groups, o1 = o0 + chunk < groups ? o0 + chunk : groups;
+        for (int64_t o = o0; o < o1; o++)
+            for (int64_t r0 = 0; r0 < M; r0 += LANE_ROWS) {   // the group's weights stay in cache
+                switch (M - r0 < LANE_ROWS ? M - r0 : LANE_ROWS) {
+                    case 1: lanes_tile(1, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    case 2: lanes_tile(2, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    case 3: lanes_tile(3, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    case 4: lanes_tile(4, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    case 5: lanes_tile(5, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    case 6: lanes_tile(6, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    case 7: lanes_tile(7, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    default: lanes_tile(8, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                }
+            }
+    }
+    free(work);
+    return 0;
+}
+#endif
+
 // ------------------------------------------------------------------ entry points
 
 // Blocks per weight row after padding (the row strides of qw: 16 bytes a block; dw, mw: 1 each).
@@ -261,6 +375,9 @@ int64_t q4_1_padded_blocks(int64_t K) { return padded_blocks(K); }
 // Returns 0, or -1 if the quantized rows' memory (M * np * 40 bytes) could not be allocated.
 int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
                 const uint16_t *mw, int64_t N, void *y, int y_bf16) {
+#if LANES16
+    if (q4_1_layout(N)) return lanes_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
+#endif
     const int64_t np = padded_blocks(K);
     int8_t *work = malloc(M * np * (QK + 2 * sizeof(float)));
     if (work == NULL) return -1;
@@ -268,7 +385,7 @@ int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     float *dx = (float *)(work + M * np * QK), *sx = dx + M * np;
     const int64_t row_bytes = K * (x_bf16 ? 2 : 4);
     for (int64_t r = 0; r < M; r++)
-        quantize_row((const char *)x + r * row_bytes, x_bf16, K, qx + r * np * QK, dx + r * np, sx + r * np);
+        quantize_row((const char *)x + r * row_bytes, x_bf16, K, 0, qx + r * np * QK, dx + r * np, sx + r * np);
 #pragma omp parallel
     {
         // contiguous output rows per thread, in multiples of 4 (a tile of R = 1)
