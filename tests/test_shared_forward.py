@@ -59,7 +59,7 @@ def test_a_failing_request_does_not_fail_the_others():
 
     def broken_plan():
         raise RuntimeError("boom")
-    gens[1].route_round = broken_plan
+    gens[1].round_options = broken_plan
     results = eng.step_many(gens)
     assert isinstance(results[1], RuntimeError)
     assert results[0] is not None and results[2] is not None and not isinstance(results[0], Exception)

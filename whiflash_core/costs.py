@@ -15,6 +15,10 @@ The expected time of a round that drafts k tokens with drafter d is
   backlog when next picked).
 - `router`: the router phase itself (the same for every candidate).
 
+A shared step (several requests' verify rows in one forward, router.choose_shared) is priced by a
+second table, `shared`: the forward's time by its total rows, timed at start-up over requests of a
+few rows each (`machine.verify_tables`).
+
 Adaptive (`adaptive=True`): the engine's observed rounds keep it current: each verify row count
 keeps a running average (an unobserved one is the table scaled by the observed / table ratio of
 those seen), the drafter lines become exponentially weighted fits that forget the start-up points
@@ -150,14 +154,22 @@ class VerifyCost:
 class CostModel:
     """Expected round time per (drafter, k); see the module docstring."""
     verify: VerifyCost = field(default_factory=VerifyCost)
+    shared: VerifyCost = field(default_factory=VerifyCost)   # a shared forward by its total rows
     catch_up: dict[str, LinearCost] = field(default_factory=dict)   # seconds vs backlog positions
     draft: dict[str, LinearCost] = field(default_factory=dict)      # seconds vs draft tokens k
     router: RunningMean = field(default_factory=RunningMean)
     adaptive: bool = False   # learn from observed rounds (see the module docstring)
 
     @classmethod
-    def with_table(cls, table: dict[int, float], adaptive: bool = False) -> CostModel:
-        return cls(verify=VerifyCost(table=dict(table)), adaptive=adaptive)
+    def with_table(cls, table: dict[int, float], adaptive: bool = False,
+                   shared: dict[int, float] | None = None) -> CostModel:
+        return cls(verify=VerifyCost(table=dict(table)), shared=VerifyCost(table=dict(shared or {})),
+                   adaptive=adaptive)
+
+    def shared_forward(self, max_rows: int) -> list[float]:
+        """[T(0) = 0, ..., T(max_rows)] of a shared forward by its total rows; without a shared
+        table, the verify table's (one request's) curve."""
+        return (self.shared if self.shared.table else self.verify).estimates(max_rows)
 
     def drafting(self, drafter: str | None, k: int, backlog: int) -> float:
         """Seconds to catch `drafter` up on `backlog` positions and draft k tokens (0 without one)."""
@@ -200,9 +212,10 @@ def measure(engine, adaptive: bool = False, reps: int = 3) -> CostModel:
     import torch
 
     from .drafters.base import Context, DraftSampling
-    from .machine import verify_table
+    from .machine import verify_tables
 
-    model = CostModel.with_table(verify_table(engine.target, engine.tap_layers), adaptive=adaptive)
+    table, shared = verify_tables(engine.target, engine.tap_layers)
+    model = CostModel.with_table(table, adaptive=adaptive, shared=shared)
     longest = min(max((d.max_draft_tokens for d in engine.drafters.values()), default=1), MAX_TIMED_DRAFT)
     capacity = CONTEXT + longest + 2
     device = engine.target.device

@@ -33,7 +33,8 @@ from .drafters.ngram import NgramDrafter
 from .logits import LogitAdjustments, Penalizer, TokenLogprob, token_logprobs
 from .prefix_cache import PrefixCache
 from .rounds import Round, RoundTimes, Tally
-from .router import LOOKUP, METHODS, Method, Route, Router, RouterCalibration, available_methods
+from .router import (LOOKUP, METHODS, Candidate, Method, Route, Router, RouterCalibration, available_methods, best,
+                     choose_shared)
 from .router_mlp import RouterMLP
 from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
 from .target import TargetModel
@@ -82,6 +83,15 @@ class RoundPlan:
     failed: str | None = None    # the drafter that raised this round, if any
     masks: torch.Tensor | None = None   # grammar masks [m, V] for the verify rows
     rows: torch.Tensor | None = None    # [k' + 1] token ids to verify: pending, d1..dk'
+
+
+@dataclass
+class RoundOptions:
+    """A round before its route is chosen (Generation.round_options): the router's candidates."""
+    n: int                       # verified positions before the round
+    limit: int                   # most draft tokens (max_tokens, the context)
+    clock: _Clock
+    candidates: list[Candidate]  # the plain step (or a route decided by rule) first
 
 
 class Engine:
@@ -163,15 +173,32 @@ class Engine:
         exception that ended request i's planning (else None: finished, or planned), planned the
         (i, generation, plan) of those with a round to verify."""
         results: list[Round | None | Exception] = [None] * len(gens)
-        routed: list[tuple[int, Generation, RoundPlan]] = []
+        options: list[tuple[int, Generation, RoundOptions]] = []
         for i, gen in enumerate(gens):
             try:
-                plan = gen.route_round()
+                o = gen.round_options()
             except Exception as exc:
                 results[i] = exc
                 continue
-            if plan is not None:
-                routed.append((i, gen, plan))
+            if o is not None:
+                options.append((i, gen, o))
+        # several requests: one choice for the whole step, its rows priced by the shared forward
+        # (router.choose_shared); alone, a request routes on its own verify curve
+        picks: list[Candidate | None] = [None] * len(options)
+        if len(options) > 1:
+            t0 = time.perf_counter()
+            longest = sum(max(c.k for c in o.candidates) + 1 for _, _, o in options)
+            picks = choose_shared([o.candidates for _, _, o in options], [g.router.alpha for _, g, _ in options],
+                                  self.costs.shared_forward(longest))
+            share = (time.perf_counter() - t0) / len(options)
+            for _, _, o in options:
+                o.clock.charge("router", share)
+        routed: list[tuple[int, Generation, RoundPlan]] = []
+        for (i, gen, o), pick in zip(options, picks):
+            try:
+                routed.append((i, gen, gen.route_round(o, pick)))
+            except Exception as exc:
+                results[i] = exc
         by_drafter: dict[str, list[tuple[Generation, RoundPlan]]] = {}
         for _, gen, plan in routed:
             if plan.route.drafter is not None:
@@ -382,18 +409,28 @@ class Generation:
         self.finish_plan(plan)
         return plan
 
-    def route_round(self) -> RoundPlan | None:
-        """A round's first step: the router picks this round's drafter and draft length k (never
-        past max_tokens or the context). None once finished."""
+    def round_options(self) -> RoundOptions | None:
+        """A round's first step: the router's candidates for this round's drafter and draft
+        length (never past max_tokens or the context). None once finished."""
         if self.finished:
             return None
         n = self.cache.length  # ids[:n] verified (K/V cached), ids[n] = pending token the target chose
         self._ensure_capacity(n + self.router.longest_draft + 2)
         clock = _Clock()
         limit = min(self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
-        route = self.router.route(self.states, self._context(), self.last_logits, limit, self.last_hidden)
+        candidates = self.router.options(self.states, self._context(), self.last_logits, limit, self.last_hidden)
         clock.lap("router")
-        return RoundPlan(n, route, min(route.draft_len, limit), clock)
+        return RoundOptions(n, limit, clock, candidates)
+
+    def route_round(self, options: RoundOptions | None = None, pick: Candidate | None = None) -> RoundPlan | None:
+        """The round's route: `pick` among `options` (chosen for a shared step, Engine.plan_many),
+        else the request's own best. None once finished."""
+        options = options if options is not None else self.round_options()
+        if options is None:
+            return None
+        route = self.router.take(pick if pick is not None else best(options.candidates, self.router.alpha),
+                                 self.states, self._context())
+        return RoundPlan(options.n, route, min(route.draft_len, options.limit), options.clock)
 
     def _catch_up_round(self, plan: RoundPlan) -> None:
         """The round's drafter catches up on verified context it has not seen (lazily: only the

@@ -43,6 +43,10 @@ from .cache import cache_root
 
 DECODE_ROWS = (1, 4, 8)
 VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # the router's verify-cost table (costs.py)
+# the shared-forward table (Engine.step_many: several requests' verify rows in one forward): total
+# rows, as requests of SHARED_SEGMENT_ROWS rows each (1 + a draft of 3), each over its own cache
+SHARED_ROWS = (2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
+SHARED_SEGMENT_ROWS = 4
 PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
 LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well before 64 rows
 CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (verify_table)
@@ -54,8 +58,8 @@ CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (ve
 FORMATS_CONTEXT = 1024
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 9
-VERIFY_CACHE_VERSION = 3
+CACHE_VERSION = 10
+VERIFY_CACHE_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,16 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
     the router's verify-cost table (costs.py). Timed on the target itself, so in its loaded format
     (weights, activations, any prefill twin); best of `reps`. Cached per machine, model shape and
     format, like `measure`."""
+    return verify_tables(target, taps, use_cache, reps)[0]
+
+
+def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
+                  reps: int = 5) -> tuple[dict[int, float], dict[int, float]]:
+    """(verify_table, shared table): the second is {total rows: seconds} of a shared forward
+    (`TargetModel.forward_many`) over requests of SHARED_SEGMENT_ROWS rows (the last one the rest),
+    each after CONTEXT cached positions of its own: what one step of several requests costs, whose
+    price per row differs from one request's (attention per request, and where the rows outgrow
+    the layer stack the module forward). Timed and cached together."""
     cfg = target.cfg
     shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                            "num_heads", "num_kv_heads", "head_dim")}
@@ -298,24 +312,39 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
     path = _cache_path(key, "verify")
     if use_cache and os.path.exists(path):
         with open(path) as f:
-            return {int(r): t for r, t in json.load(f)["table"].items()}
-    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + max(VERIFY_ROWS),),
+            saved = json.load(f)
+        return ({int(r): t for r, t in saved["table"].items()}, {int(r): t for r, t in saved["shared"].items()})
+    longest = max(max(VERIFY_ROWS), SHARED_SEGMENT_ROWS)
+    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + longest,),
                         generator=torch.Generator().manual_seed(0)).to(target.device)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    cache = target.new_cache(CONTEXT + max(VERIFY_ROWS))
+    segments = max(SHARED_ROWS) // SHARED_SEGMENT_ROWS + 1
+    caches = [target.new_cache(CONTEXT + longest) for _ in range(segments)]
     best: dict[int, float] = {}
+    shared: dict[int, float] = {}
     with torch.inference_mode():
-        target(ids[:CONTEXT], cache, logits_from=CONTEXT - 1)
+        for cache in caches:
+            target(ids[:CONTEXT], cache, logits_from=CONTEXT - 1)
         for _ in range(reps):
             for r in VERIFY_ROWS:
                 t0 = time.perf_counter()
-                target(ids[CONTEXT:CONTEXT + r], cache, taps)
+                target(ids[CONTEXT:CONTEXT + r], caches[0], taps)
                 sync()
                 best[r] = min(best.get(r, float("inf")), time.perf_counter() - t0)
-                cache.rollback(CONTEXT)
+                caches[0].rollback(CONTEXT)
+            for r in SHARED_ROWS:
+                sizes = [SHARED_SEGMENT_ROWS] * (r // SHARED_SEGMENT_ROWS) + ([r % SHARED_SEGMENT_ROWS] if r % SHARED_SEGMENT_ROWS else [])
+                rows = [ids[CONTEXT:CONTEXT + n] for n in sizes]
+                t0 = time.perf_counter()
+                target.forward_many(rows, caches[:len(rows)], taps)
+                sync()
+                shared[r] = min(shared.get(r, float("inf")), time.perf_counter() - t0)
+                for cache in caches[:len(rows)]:
+                    cache.rollback(CONTEXT)
     _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,
-                       "table": {str(r): round(t, 6) for r, t in best.items()}})
-    return best
+                       "table": {str(r): round(t, 6) for r, t in best.items()},
+                       "shared": {str(r): round(t, 6) for r, t in shared.items()}})
+    return best, shared
 
 
 def light_formats(gguf: str | None) -> tuple[str, ...]:

@@ -32,6 +32,14 @@ and a plain decode step, by the request's `policy`:
   alpha sets a round-latency budget interpolated between the two points' measured round times and
   takes the measured threshold with the longest rounds that fit it.
 
+Shared steps. When several requests step together (`Engine.step_many`: one target forward over
+all their verify rows), a request's draft rows are no longer priced by its own verify curve: each
+row is a share of a forward whose cost grows with every request's rows. `choose_shared` then picks
+one candidate per request for the whole step, argmax of (sum of g) / (t_step) ** alpha, t_step =
+every request's drafting plus the shared forward of all their rows (`CostModel.shared_forward`,
+timed at start-up): alpha = 1 is the server's tokens per second. A request alone is routed as above
+(the two agree there).
+
 `Router` is where methods meet drafters: it knows which drafters a method uses and decides each
 round's drafter and draft length; after the round it learns from the `Round` (`observe`). The
 engine never names a drafter.
@@ -47,7 +55,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 import torch
 
 from .acceptance import AcceptanceModel, entropy_and_top1, expected_tokens_by_k, situation, top1_probability
-from .costs import CostModel
+from .costs import MIN_SECONDS, CostModel
 from .drafters.base import Context, Drafter, DrafterState
 from .layers import entropy_from_logits
 from .rounds import Round
@@ -168,7 +176,11 @@ class Candidate:
     drafter: str | None
     k: int
     tokens: float      # g: expected emitted tokens
-    seconds: float     # t: expected round time
+    seconds: float     # t: expected round time, alone
+    drafting: float = 0.0   # the part of t outside the verify forward (router, catch-up, draft)
+    situation: int = 0
+    predicted_accepted: float | None = None   # learned policy: the MLP's own g - 1 (Route's)
+    route: Route | None = None   # a route decided by rule (a single-drafter method, the entropy policy)
 
     def score(self, alpha: float) -> float:
         return self.tokens / self.seconds ** alpha
@@ -182,6 +194,33 @@ def best(candidates: list[Candidate], alpha: float) -> Candidate:
         if c.score(alpha) > top.score(alpha):
             top = c
     return top
+
+
+def choose_shared(options: list[list[Candidate]], alphas: list[float], forward: list[float],
+                  passes: int = 2) -> list[Candidate]:
+    """One candidate per request for a shared step: argmax over the combinations of
+    G / t_step ** alpha, G the sum of the picks' g, t_step = the sum of their drafting times +
+    forward[sum of their rows (k + 1 each)] (forward[r]: the shared forward of r rows; it must
+    reach the longest candidates' total). By coordinate ascent from every request's first option
+    (the plain step): each request in turn takes its best response to the others' picks, `passes`
+    times over (the combinations grow as options ** requests; two passes settle in practice).
+    Request i weighs the step by its own alpha_i; alone (one request) this is `best` with the
+    forward curve in place of its verify curve."""
+    picks = [opts[0] for opts in options]
+    tokens = sum(c.tokens for c in picks)
+    drafting = sum(c.drafting for c in picks)
+    rows = sum(c.k + 1 for c in picks)
+    for _ in range(passes):
+        for i, opts in enumerate(options):
+            g_rest, d_rest, r_rest = tokens - picks[i].tokens, drafting - picks[i].drafting, rows - picks[i].k - 1
+            alpha, top, top_score = alphas[i], picks[i], -1.0
+            for c in opts:
+                score = (g_rest + c.tokens) / max(d_rest + c.drafting + forward[r_rest + c.k + 1], MIN_SECONDS) ** alpha
+                if score > top_score:
+                    top, top_score = c, score
+            picks[i] = top
+            tokens, drafting, rows = g_rest + top.tokens, d_rest + top.drafting, r_rest + top.k + 1
+    return picks
 
 
 @dataclass
@@ -242,19 +281,41 @@ class Router:
         """Choose from the verified context, the target's logits at its last position [V] and (for
         the learned policy) its final-norm hidden state there [d]; `limit` caps the draft length
         (tokens left to emit, room in the context)."""
+        return self.take(best(self.options(states, ctx, logits, limit, hidden), self.alpha), states, ctx)
+
+    def options(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
+                limit: int | None = None, hidden: torch.Tensor | None = None) -> list[Candidate]:
+        """This round's candidates (`route`'s arguments), the plain step first: for the cost and
+        learned policies every (drafter, k) priced; otherwise the one route the method or the
+        entropy rule decides, priced by the running acceptance (for `choose_shared`)."""
         if not self.drafters:
-            return Route(None)
+            return [self._decided(Route(None))]
         limit = self.longest_draft if limit is None else max(limit, 0)
         if not self.routes:
             name = next(iter(self.drafters))
-            route = Route(name, min(self.draft_lens[name], limit))
-        else:
-            route = self.choose(self.inputs(states, ctx, logits, limit, hidden))
+            return [self._decided(Route(name, min(self.draft_lens[name], limit)))]
+        inputs = self.inputs(states, ctx, logits, limit, hidden)
+        if self.policy == "entropy":
+            return [self._decided(self._by_entropy(inputs))]
+        return self._gain_candidates(inputs)
+
+    def take(self, c: Candidate, states: dict[str, DrafterState], ctx: Context) -> Route:
+        """The round's Route from the chosen candidate."""
+        route = c.route if c.route is not None else Route(
+            c.drafter, c.k, situation=c.situation, expected_tokens=c.tokens, expected_s=c.seconds,
+            predicted_accepted=c.predicted_accepted)
         route.switched = self.previous is not None and route.drafter != self.previous
         self.previous = route.drafter
         if route.drafter is not None:
             route.backlog = max(ctx.n - states[route.drafter].n_seen, 0)
         return route
+
+    def _decided(self, route: Route) -> Candidate:
+        k = route.draft_len if route.drafter is not None else 0
+        drafting = self.costs.router.value + self.costs.drafting(route.drafter, k, 0)
+        tokens = expected_tokens_by_k(self.acceptance.rates(route.drafter, 0, k), k)[k] if k else 1.0
+        return Candidate(route.drafter, k, tokens, max(drafting + self.costs.verify.estimates(k + 1)[k + 1], MIN_SECONDS),
+                         drafting, route=route)
 
     def inputs(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, limit: int,
                hidden: torch.Tensor | None = None) -> RoundInputs:
@@ -273,10 +334,12 @@ class Router:
         return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden)
 
     def choose(self, inputs: RoundInputs) -> Route:
-        """This round's drafter and draft length by the request's policy."""
+        """This round's drafter and draft length by the request's policy (a request alone)."""
         if self.policy == "entropy":
             return self._by_entropy(inputs)
-        return self._by_gain(inputs)
+        c = best(self._gain_candidates(inputs), self.alpha)
+        return Route(c.drafter, c.k, situation=c.situation, expected_tokens=c.tokens, expected_s=c.seconds,
+                     predicted_accepted=c.predicted_accepted)
 
     def observe(self, route: Route, r: Round) -> None:
         """Learn from the round `route` led to: its drafter's acceptance, the round's costs."""
@@ -294,38 +357,38 @@ class Router:
         name = self.entropy.pick(inputs.entropy)
         return Route(name, min(self.draft_lens[name], inputs.limit), entropy=inputs.entropy)
 
-    def _by_gain(self, inputs: RoundInputs) -> Route:
-        """The cost and learned policies: argmax over (drafter, k) and a plain step of g / t ** alpha."""
+    def _gain_candidates(self, inputs: RoundInputs) -> list[Candidate]:
+        """The cost and learned policies' candidates: a plain step, then every (drafter, k) with
+        its g and t (argmax g / t ** alpha picks among them: `best`, or `choose_shared`)."""
         longest = min(self.longest_draft, inputs.limit)
         verify = self.costs.verify.estimates(longest + 1)
-        candidates = [Candidate(None, 0, 1.0, self.costs.round_time(None, 0, 0, verify))]
+        plain = self.costs.router.value
+        candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain)]
         predicted = self.predicted_rates(inputs)
-        where: dict[str, int] = {}
-        raw: dict[str, list[float]] = {}   # learned: g by k from the MLP's own rates, per drafter
         for name in self.drafters:
             k_max = min(self.draft_lens[name], inputs.limit)
             if name == LOOKUP:
                 k_max = min(k_max, inputs.lookup_room)
             if k_max <= 0:
                 continue
-            where[name] = situation(name, inputs.top1, inputs.match)
+            where = situation(name, inputs.top1, inputs.match)
             rates = predicted.get(name)
+            raw = None   # learned: g by k from the MLP's own rates
             if rates is not None:
                 # a request drafting past the positions the MLP predicts: its last rate for the rest
                 rates = rates + rates[-1:] * (k_max - len(rates))
-                gains = raw[name] = expected_tokens_by_k(rates, k_max)
+                gains = raw = expected_tokens_by_k(rates, k_max)
                 calibration = self.calibration.get(name)
                 if calibration is not None:
                     f = calibration.factor()
                     gains = expected_tokens_by_k([min(p * f, 1.0) for p in rates], k_max)
             else:
-                gains = expected_tokens_by_k(self.acceptance.rates(name, where[name], k_max), k_max)
-            candidates += [Candidate(name, k, gains[k], self.costs.round_time(name, k, inputs.backlogs[name], verify))
-                           for k in range(1, k_max + 1)]
-        c = best(candidates, self.alpha)
-        return Route(c.drafter, c.k, situation=where.get(c.drafter, 0), expected_tokens=c.tokens,
-                     expected_s=c.seconds,
-                     predicted_accepted=raw[c.drafter][c.k] - 1.0 if c.drafter in raw else None)
+                gains = expected_tokens_by_k(self.acceptance.rates(name, where, k_max), k_max)
+            for k in range(1, k_max + 1):
+                drafting = plain + self.costs.drafting(name, k, inputs.backlogs[name])
+                candidates.append(Candidate(name, k, gains[k], max(drafting + verify[k + 1], MIN_SECONDS), drafting,
+                                            where, raw[k] - 1.0 if raw is not None else None))
+        return candidates
 
     def predicted_rates(self, inputs: RoundInputs) -> dict[str, list[float]]:
         """The learned policy's p_1..p_K per drafter it has a head for ({} for the cost policy)."""
