@@ -129,6 +129,19 @@ static void quantize_row(const void *x, int bf16, int64_t K, int natural, int8_t
     }
 }
 
+// All M rows of x -> one allocation holding qx [M, np * 32], then dx and sx [M, np] (np = K / 32
+// with `natural`, else padded_blocks); the caller frees it. NULL if it could not be allocated.
+static int8_t *quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int natural, float **dx, float **sx) {
+    const int64_t np = natural ? K / QK : padded_blocks(K), row_bytes = K * (x_bf16 ? 2 : 4);
+    int8_t *qx = malloc(M * np * (QK + 2 * sizeof(float)));
+    if (qx == NULL) return NULL;
+    *dx = (float *)(qx + M * np * QK);
+    *sx = *dx + M * np;
+    for (int64_t r = 0; r < M; r++)
+        quantize_row((const char *)x + r * row_bytes, x_bf16, K, natural, qx + r * np * QK, *dx + r * np, *sx + r * np);
+    return qx;
+}
+
 // ------------------------------------------------------------------ the integer dot products
 // step adds w_i * x_i (w 0..15, x int8) 4 bytes at a time into each int32 lane; finish adds two
 // such accumulators into 8 (or 4) int32 lane sums. Without VNNI the products collect in int16
@@ -334,13 +347,9 @@ static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_
 static int lanes_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
                         const uint16_t *mw, int64_t N, void *y, int y_bf16) {
     const int64_t nb = K / QK, groups = N / 16;
-    int8_t *work = malloc(M * nb * (QK + 2 * sizeof(float)));
+    float *dx, *sx;
+    int8_t *work = quantize_rows(x, x_bf16, M, K, 1, &dx, &sx), *qx = work;
     if (work == NULL) return -1;
-    int8_t *qx = work;
-    float *dx = (float *)(work + M * nb * QK), *sx = dx + M * nb;
-    const int64_t row_bytes = K * (x_bf16 ? 2 : 4);
-    for (int64_t r = 0; r < M; r++)
-        quantize_row((const char *)x + r * row_bytes, x_bf16, K, 1, qx + r * K, dx + r * nb, sx + r * nb);
 #pragma omp parallel
     {
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
@@ -379,13 +388,9 @@ int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
     if (q4_1_layout(N)) return lanes_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
 #endif
     const int64_t np = padded_blocks(K);
-    int8_t *work = malloc(M * np * (QK + 2 * sizeof(float)));
+    float *dx, *sx;
+    int8_t *work = quantize_rows(x, x_bf16, M, K, 0, &dx, &sx), *qx = work;
     if (work == NULL) return -1;
-    int8_t *qx = work;
-    float *dx = (float *)(work + M * np * QK), *sx = dx + M * np;
-    const int64_t row_bytes = K * (x_bf16 ? 2 : 4);
-    for (int64_t r = 0; r < M; r++)
-        quantize_row((const char *)x + r * row_bytes, x_bf16, K, 0, qx + r * np * QK, dx + r * np, sx + r * np);
 #pragma omp parallel
     {
         // contiguous output rows per thread, in multiples of 4 (a tile of R = 1)
