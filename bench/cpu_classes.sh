@@ -13,6 +13,17 @@
 #     -DGGML_BMI2=ON -DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
 #     .venv/bin/pip install --no-deps --target DIR llama-cpp-python==0.3.36
 #
+# The native peer: llama.cpp's GGML_NATIVE build turns on its AMX int8 backend, which crashed
+# (SIGSEGV in the first decode) on our Sapphire Rapids VMs, so the native run takes an AVX-512
+# build without AMX, in LLAMA_CPP_NATIVE=DIR (unset: the llama-cpp-python installed in .venv):
+#
+#   CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+#     -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON \
+#     -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
+#     .venv/bin/pip install --no-deps --target DIR llama-cpp-python==0.3.36
+#
+# (llama-cpp-python's one pure-Python dependency, diskcache, must be in .venv: --no-deps skips it.)
+#
 # Each step writes bench/results/<step>_<class>.json. Run on a quiet machine (no training, no
 # tests): contention on 2 cores slows OpenMP work many times over, llama.cpp's spinning threads most.
 set -euo pipefail
@@ -20,7 +31,7 @@ cd "$(dirname "$0")/.."
 class=${1:?usage: bench/cpu_classes.sh native|avx2}
 threads=${THREADS:-2}
 case "$class" in
-  native) env=() ;;
+  native) env=(${LLAMA_CPP_NATIVE:+PYTHONPATH="$LLAMA_CPP_NATIVE"}) ;;
   avx2)
     : "${LLAMA_CPP_AVX2:?set LLAMA_CPP_AVX2 to a llama-cpp-python built without AVX-512 (see the header)}"
     env=(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 PYTHONPATH="$LLAMA_CPP_AVX2") ;;
