@@ -22,7 +22,8 @@
 #     -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF" \
 #     .venv/bin/pip install --no-deps --target DIR llama-cpp-python==0.3.36
 #
-# (llama-cpp-python's one pure-Python dependency, diskcache, must be in .venv: --no-deps skips it.)
+# (llama-cpp-python's one pure-Python dependency, diskcache, must be in .venv: --no-deps skips it;
+# `.venv/bin/pip install -e '.[bench]'` installs both into .venv itself.)
 #
 # Each step writes bench/results/<step>_<class>.json. Run on a quiet machine (no training, no
 # tests): contention on 2 cores slows OpenMP work many times over, llama.cpp's spinning threads most.
