@@ -53,11 +53,11 @@ def _pytorch_attention(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, hd, dtyp
 
 
 @pytest.mark.parametrize("hd", [32, 64, 128])
-@pytest.mark.parametrize("t,start", [(1, 0), (1, 63), (3, 62), (8, 64), (5, 300)])
+@pytest.mark.parametrize("t,start", [(1, 0), (1, 63), (2, 63), (2, 200), (3, 62), (8, 64), (5, 300)])
 def test_attention_writes_the_cache_and_attends_as_sdpa(hd, t, start):
     """Rotary and the cache writes are PyTorch's bits; the attention output is as close to a
     float64 attention over the same q/k/v as SDPA's bf16 result is (chunks of 64 keys: both sides
-    of a chunk edge)."""
+    of a chunk edge; t = 2 after 63: the last chunk holds keys of row 1 only, none of row 0's)."""
     torch.manual_seed(hd + t + start)
     nh, nkv = 9, 3
     rotary = Rotary.default(hd, 10000.0, 1024)

@@ -214,8 +214,9 @@ static inline __attribute__((always_inline)) void attend_chunk(const int64_t vec
 // same operations in the same order whatever the other lanes hold, so a row's result does not
 // depend on the other rows of its call. With fewer than LANES_FROM queries most lanes would idle:
 // a 1-row decode (3 queries a kv head in SmolLM2) measured 2x slower here than attend_chunk's
-// path, 4 and 8 rows 1.2-1.4x faster over 1-2k cached positions; so a row computed in a 1-row
-// call and in a verify can differ in the last bits (as any two bf16 forward shapes may). Split
+// path, 4 and 8 rows 1.2-1.4x faster over 1-2k cached positions (fewer queries take the few-query
+// path below); so a row computed in a 1-row call and in a verify can differ in the last bits (as
+// any two bf16 forward shapes may). Split
 // and merge as attend_rows_bf16's (below), with the partials kept lane-wise: acc [d][16], m [16],
 // l [16].
 #define LANES 16
@@ -315,6 +316,146 @@ static void attend_lanes_task(const float *qt, const int32_t *rows, const uint16
         }
         _mm512_storeu_ps(pt + hd * LANES, m);
         _mm512_storeu_ps(pt + (hd + 1) * LANES, l);
+    }
+}
+
+// ------------------------------------------------------------------ attention, few queries, AVX-512
+//
+// Below LANES_FROM queries a kv head (a 1-row decode: 3 in SmolLM2; 2 rows: 6) the lanes above
+// would mostly idle, and attend_chunk's 8-lane vectors spend ~120 instructions a key (the chunk
+// converted through memory, then per query 8-lane FMAs, a horizontal sum per 8 keys, and the
+// values converted again per query): at 1k cached keys the attention was ~1.8 ms of a ~9.6 ms
+// one-row forward (one thread). Here, per task (kv head g, keys [j0, j0 + nk)):
+//     scores:  per query and block of 16 keys, 16 dot products (with AVX512_BF16: vdpbf16ps
+//              straight on the bf16 cache, hd / 32 each; else the chunk's keys converted to
+//              float32 once into kf, hd / 16 FMAs each), then one transposing reduction
+//              (reduce16) leaves the 16 scores in one vector;
+//     softmax: 16 keys a vector, causal positions masked to -inf (their exp is exactly 0);
+//     values:  each value row converted once in registers and multiplied into every query's
+//              accumulator (e^(s - m) broadcast).
+// Each query's sums run in the same order whatever the other queries are, so a row's result
+// does not depend on the other rows of its call (tests/test_decode_ops.py). Measured against
+// attend_chunk (bench/attention_probe.py, one thread, SmolLM2's shape): 1 row 1.3-1.5x faster over
+// 128-2048 cached keys, 2 rows 1.2-1.3x.
+
+// lane j of the result = the sum of a[j]'s 16 lanes (j = 0..15), in a fixed order of additions:
+// pairs of 32-bit lanes, then of 64-bit lanes, then of 128-bit lanes, twice.
+static inline __m512 reduce16(const __m512 *a) {
+    __m512 s[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)   // 128-bit lane L: [x0+x2, y0+y2, x1+x3, y1+y3] of x = a[2i], y = a[2i+1]
+        s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {   // 128-bit lane L: lane L's partial sums of keys 4i..4i+3
+        const __m512d x = _mm512_castps_pd(s[2 * i]), y = _mm512_castps_pd(s[2 * i + 1]);
+        u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)     // [u0: L0+L1, u0: L2+L3, u1: L0+L1, u1: L2+L3]
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
+    // 128-bit lane i: keys 4i..4i+3, whole sums
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+
+#define FEW_QUERIES 8   // at most LANES_FROM - 1 queries take this path
+#if defined(__AVX512BF16__)
+#define DOT_BF16 1      // scores by vdpbf16ps straight from the bf16 cache (hd % 32 == 0)
+#else
+#define DOT_BF16 0
+#endif
+
+// One task of the few-query path: vecs = hd / 16 a constant at each call (always inlined). q bf16
+// [t, nh, hd]; parts as attend_chunk writes them.
+static inline __attribute__((always_inline)) void attend_few_task(const int64_t vecs, const uint16_t *q,
+        const uint16_t *kc, const uint16_t *vc, float *parts, int64_t g, int64_t c, int64_t j0, int64_t nk,
+        int64_t chunks, int64_t start, int64_t cap, int64_t nq, int64_t group, int64_t nh, float scale) {
+    const int64_t hd = vecs * 16, part = hd + 2, blocks = (nk + 15) / 16;
+    float kf[CHUNK * hd] __attribute__((aligned(64)));
+    float p[FEW_QUERIES][CHUNK] __attribute__((aligned(64)));
+    const uint16_t *kg = kc + (g * cap + j0) * hd, *vg = vc + (g * cap + j0) * hd;   // nk rows of hd
+#if !DOT_BF16
+    for (int64_t e = 0; e < nk * hd; e += 16) _mm512_store_ps(kf + e, load16_bf16(kg + e));
+    for (int64_t e = nk * hd; e < blocks * 16 * hd; e += 16) _mm512_store_ps(kf + e, _mm512_setzero_ps());
+#endif
+    int64_t n[FEW_QUERIES], n_max = 0;
+    float m[FEW_QUERIES], l[FEW_QUERIES];
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    for (int64_t qi = 0; qi < nq; qi++) {
+        const int64_t i = qi / group, h = g * group + qi % group;
+        n[qi] = (start + i + 1 < j0 + nk ? start + i + 1 : j0 + nk) - j0;   // keys row i sees here
+        if (n[qi] <= 0) {
+            n[qi] = 0;
+            memset(p[qi], 0, sizeof p[qi]);   // its weight at the merge is 0 (l = 0): no value counts
+            m[qi] = -INFINITY;
+            l[qi] = 0.0f;
+            continue;
+        }
+        n_max = n[qi] > n_max ? n[qi] : n_max;
+        __m512 mv = ninf;
+#if DOT_BF16
+        __m512bh qp[8];   // the query's bf16 pairs, 32 a vector
+        for (int64_t d = 0; d < vecs / 2; d++) qp[d] = (__m512bh)_mm512_loadu_si512(q + (i * nh + h) * hd + 32 * d);
+        const __m512 sv = _mm512_set1_ps(scale);
+#else
+        __m512 qv[16];
+        for (int64_t d = 0; d < vecs; d++)
+            qv[d] = _mm512_mul_ps(load16_bf16(q + (i * nh + h) * hd + 16 * d), _mm512_set1_ps(scale));
+#endif
+        for (int64_t b = 0; b < blocks; b++) {   // 16 keys' scores: 16 independent FMA chains
+            __m512 a[16];
+#if DOT_BF16
+            const uint16_t *kb = kg + b * 16 * hd;
+#pragma GCC unroll 16
+            for (int u = 0; u < 16; u++) {
+                a[u] = _mm512_dpbf16_ps(_mm512_setzero_ps(), qp[0], (__m512bh)_mm512_loadu_si512(kb + u * hd));
+                for (int64_t d = 1; d < vecs / 2; d++)
+                    a[u] = _mm512_dpbf16_ps(a[u], qp[d], (__m512bh)_mm512_loadu_si512(kb + u * hd + 32 * d));
+            }
+            const __m512 r = _mm512_mul_ps(reduce16(a), sv);
+#else
+            const float *kb = kf + b * 16 * hd;
+#pragma GCC unroll 16
+            for (int u = 0; u < 16; u++) {
+                a[u] = _mm512_mul_ps(qv[0], _mm512_load_ps(kb + u * hd));
+                for (int64_t d = 1; d < vecs; d++) a[u] = _mm512_fmadd_ps(qv[d], _mm512_load_ps(kb + u * hd + 16 * d), a[u]);
+            }
+            const __m512 r = reduce16(a);
+#endif
+            const __mmask16 seen = _mm512_cmp_epi32_mask(lane, _mm512_set1_epi32((int)(n[qi] - 16 * b)), _MM_CMPINT_LT);
+            const __m512 s = _mm512_mask_blend_ps(seen, ninf, r);
+            _mm512_store_ps(p[qi] + 16 * b, s);
+            mv = _mm512_max_ps(mv, s);
+        }
+        m[qi] = _mm512_reduce_max_ps(mv);
+        const __m512 mq = _mm512_set1_ps(m[qi]);
+        __m512 lv = _mm512_setzero_ps();
+        for (int64_t b = 0; b < blocks; b++) {   // masked keys: exp(-inf) = 0
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(p[qi] + 16 * b), mq));
+            _mm512_store_ps(p[qi] + 16 * b, e);
+            lv = _mm512_add_ps(lv, e);
+        }
+        l[qi] = _mm512_reduce_add_ps(lv);
+    }
+    // acc[qi] = sum_j p[qi][j] v[j], queries in groups whose accumulators fit in registers
+    const int64_t per = vecs <= 4 ? 6 : vecs <= 8 ? 3 : 1;
+    for (int64_t q0 = 0; q0 < nq; q0 += per) {
+        const int64_t q1 = q0 + per < nq ? q0 + per : nq;
+        __m512 acc[6][16];
+        for (int64_t qi = q0; qi < q1; qi++)
+            for (int64_t d = 0; d < vecs; d++) acc[qi - q0][d] = _mm512_setzero_ps();
+        for (int64_t j = 0; j < n_max; j++) {
+            __m512 vj[16];
+            for (int64_t d = 0; d < vecs; d++) vj[d] = load16_bf16(vg + j * hd + 16 * d);
+            for (int64_t qi = q0; qi < q1; qi++) {
+                const __m512 pj = _mm512_set1_ps(p[qi][j]);   // 0 past a query's own keys
+                for (int64_t d = 0; d < vecs; d++) acc[qi - q0][d] = _mm512_fmadd_ps(pj, vj[d], acc[qi - q0][d]);
+            }
+        }
+        for (int64_t qi = q0; qi < q1; qi++) {
+            float *pt = parts + ((g * chunks + c) * nq + qi) * part;
+            for (int64_t d = 0; d < vecs; d++) _mm512_storeu_ps(pt + 16 * d, acc[qi - q0][d]);
+            pt[hd] = m[qi];
+            pt[hd + 1] = l[qi];
+        }
     }
 }
 
@@ -432,6 +573,14 @@ int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
     for (int64_t task = 0; task < nkv * chunks; task++) {
         const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
         const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
+#if defined(__AVX512F__)
+        if (hd % (DOT_BF16 ? 32 : 16) == 0 && nq <= FEW_QUERIES) {
+            if (hd == 64) attend_few_task(4, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
+            else if (hd == 128) attend_few_task(8, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
+            else attend_few_task(hd / 16, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
+            continue;
+        }
+#endif
         float kf[CHUNK * hd], vf[CHUNK * hd];  // hd <= 256: at most 128 KB of stack
         for (int64_t j = 0; j < nk; j++)
             for (int64_t d = 0; d < hd; d += 8) {
