@@ -26,6 +26,17 @@ def test_copies_what_followed_the_longest_most_recent_match():
     assert draft([4, 1, 2, 9, 1, 2], min_ngram=3) == []
 
 
+def test_copy_run_counts_the_agreement_back_from_the_pending_token():
+    d = NgramDrafter(NgramConfig(longest_run=5))
+    def run(ids: list[int]) -> int:
+        t, state = torch.tensor(ids), d.new_state(0)
+        size, start = d.match(state, t, len(ids) - 1)
+        return d.copy_run(state, t, len(ids) - 1, start)
+    assert run([5, 1, 2, 3, 9, 8, 0, 1, 2, 3]) == 3         # 1 2 3 again, 0 before it where 5 was
+    assert run([7, 1, 2, 3, 9, 7, 1, 2, 3]) == 4            # 7 1 2 3 again, then the context's start
+    assert run([4, 4, 4, 4, 1, 2, 3, 9, 4, 4, 4, 4, 1, 2, 3]) == 5   # capped at longest_run
+
+
 def test_the_incremental_index_finds_what_a_full_search_finds():
     """A request's rounds see a growing context: the state's n-gram index, fed only the new tokens
     each round, answers as a search of the whole context from scratch does."""

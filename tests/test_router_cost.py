@@ -5,12 +5,13 @@ import pytest
 import torch
 
 from tiny import VOCAB, tiny_engine
-from whiflash_core.acceptance import AcceptanceModel, PositionRates, expected_tokens, expected_tokens_by_k, situation
+from whiflash_core.acceptance import (AcceptanceModel, PositionRates, copy_situation, expected_tokens,
+                                      expected_tokens_by_k, situation)
 from whiflash_core.costs import CostModel, LinearCost, VerifyCost
 from whiflash_core.drafters.base import Context
 from whiflash_core.engine import GenerationRequest, SpeculationConfig
 from whiflash_core.rounds import Round, RoundTimes
-from whiflash_core.router import Candidate, Router, best
+from whiflash_core.router import Candidate, Route, Router, best
 from whiflash_core.router_mlp import RouterMLP, RouterMLPConfig
 
 # --- the cost model ------------------------------------------------------------------------------
@@ -160,6 +161,44 @@ def test_router_learns_a_drafters_acceptance_within_the_request():
         if route.drafter == first.drafter:
             router.observe(route, Round(i + 1, route.drafter, route.draft_len, 0))
     assert router.route(states, ctx, logits).drafter not in (first.drafter, None)
+
+
+def test_prompt_lookup_learns_from_every_round_whoever_drafted():
+    """A copy's outcome is known whatever drafted: rounds of EAGLE-3 whose tokens follow the copy
+    raise prompt lookup's rates in its copy-run situation up to the tokens emitted (later
+    positions stay unknown), and rounds whose first token leaves the copy lower its first rate."""
+    router, states, ctx = _router(1.0, CostModel.with_table({1: 0.010, 16: 0.010}))
+    # ids = 0..6 0..6 0..5, pending ids[10] = 3: the trigram 1 2 3 occurred at 1..3, and the copy
+    # run reaches back 4 tokens (0 1 2 3 twice); its copy is ids[4:11] = 4 5 6 0 1 2 3
+    where = copy_situation(4)
+    before = router.copying.rates("ngram", where, 7)
+    for i in range(8):
+        router.route(states, ctx, torch.zeros(VOCAB))
+        router.observe(Route("eagle3", 3), Round(i + 1, "eagle3", 3, 2, tokens=[4, 5, 6]))
+    grown = router.copying.rates("ngram", where, 7)
+    assert all(grown[i] > before[i] for i in range(3)) and grown[3:] == before[3:]
+    for i in range(8):
+        router.route(states, ctx, torch.zeros(VOCAB))
+        router.observe(Route(None), Round(i + 9, None, 0, 0, tokens=[9]))
+    assert router.copying.rates("ngram", where, 7)[0] < grown[0]
+    assert router.copying.observed("ngram", copy_situation(2)) == 0 < router.copying.observed("ngram", where)
+
+
+def test_long_copy_runs_get_long_lookup_drafts():
+    """Where copies of this run went on (the measured copy prior says so) the router drafts the
+    whole copy at once; where they did not, it does not draft from it."""
+    eng = tiny_engine(torch.float32)
+    costs = CostModel.with_table({1: 0.010, 8: 0.012, 16: 0.030})
+    picks = {}
+    for p in (0.97, 0.05):
+        prior = {w: [p] * 15 for w in range(5)}
+        router = Router(eng.drafters, SpeculationConfig(method="whiflash", policy="cost", alpha=1.0), 0.0, costs,
+                        None, prior)
+        states = {n: d.new_state(64) for n, d in router.drafters.items()}
+        ctx = Context(torch.arange(20) % 7, 10, torch.zeros(64, len(eng.tap_layers), 32), eng.tap_layers)
+        picks[p] = router.route(states, ctx, torch.zeros(VOCAB))
+    assert (picks[0.97].drafter, picks[0.97].draft_len) == ("ngram", 7)   # all 7 tokens after the match
+    assert picks[0.05].drafter != "ngram"
 
 
 def test_every_policy_and_alpha_equals_plain_decode_float32():

@@ -22,6 +22,8 @@ rounds), so the first rounds of a request are not decided by one lucky or unluck
 """
 from __future__ import annotations
 
+import json
+import os
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
@@ -109,15 +111,43 @@ def situation(drafter: str, top1: float, match: int) -> int:
     return match if drafter == "ngram" else bisect_right(TOP1_BINS, top1)
 
 
-class AcceptanceModel:
-    """One request's acceptance history per drafter and situation."""
+COPY_RUN_BINS = (3, 4, 8, 16)   # situation edges on prompt lookup's copy run (NgramDrafter.copy_run)
 
-    def __init__(self):
+
+def load_copy_prior(path: str) -> dict[int, list[float]] | None:
+    """The per-situation rates of a copy_prior.json (`whiflash train copy-prior`), or None where
+    there is none or it was counted in other situations than COPY_RUN_BINS."""
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        raw = json.load(f)
+    if raw.get("copy_run_bins") != list(COPY_RUN_BINS):
+        return None
+    return {int(w): [float(x) for x in r] for w, r in raw["rates"].items()}
+
+
+def copy_situation(run: int) -> int:
+    """The routers' bucket for a prompt-lookup draft: how long the copy has run (2, 3, 4-7, 8-15,
+    16+ tokens). Its acceptance is observed every round whatever drafted (Router.observe), so
+    these rates see every length of draft, not only the lengths the router chose."""
+    return bisect_right(COPY_RUN_BINS, run)
+
+
+class AcceptanceModel:
+    """One request's acceptance history per drafter and situation. `priors`: measured starting
+    rates per situation (a situation with one starts there, not at the drafter-wide rates)."""
+
+    def __init__(self, priors: dict[int, list[float]] | None = None):
         self.overall: dict[str, PositionRates] = {}
         self.by_situation: dict[tuple[str, int], PositionRates] = {}
+        self.priors = priors or {}
 
     def rates(self, drafter: str, where: int, k_max: int) -> list[float]:
         """p_1..p_k_max for `drafter` in situation `where`."""
+        measured = self.priors.get(where)
+        if measured:   # past its last position the prior keeps its last rate
+            prior = (measured + measured[-1:] * k_max)[:k_max]
+            return self.by_situation.get((drafter, where), PositionRates()).shrunk(prior)
         prior = [PRIOR_RATE.get(drafter, DEFAULT_PRIOR_RATE)] * k_max
         overall = self.overall.get(drafter, PositionRates()).shrunk(prior)
         return self.by_situation.get((drafter, where), PositionRates()).shrunk(overall)

@@ -101,13 +101,14 @@ class Engine:
     def __init__(self, target: TargetModel, tokenizer=None, drafters: dict[str, Drafter] | None = None,
                  calibration: RouterCalibration | None = None, model_name: str = "target",
                  costs: CostModel | None = None, prefix_cache: PrefixCache | None = None,
-                 router_mlp: RouterMLP | None = None):
+                 router_mlp: RouterMLP | None = None, copy_prior: dict[int, list[float]] | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.drafters = dict(drafters or {})
         self.drafters.setdefault(LOOKUP, NgramDrafter())  # weightless: always available
         self.calibration = calibration or RouterCalibration()
         self.router_mlp = router_mlp   # speculation.policy "learned" (None: such requests route by cost)
+        self.copy_prior = copy_prior   # prompt lookup's acceptance by copy run, measured (acceptance.py)
         # what rounds cost on this machine: learned from every request's rounds (costs.py)
         self.costs = costs or CostModel()
         self.model_name = model_name
@@ -283,7 +284,7 @@ class Generation:
         threshold = spec.entropy_threshold
         if threshold is None:
             threshold = engine.calibration.threshold(spec.alpha)
-        self.router = Router(engine.drafters, spec, threshold, engine.costs, engine.router_mlp)
+        self.router = Router(engine.drafters, spec, threshold, engine.costs, engine.router_mlp, engine.copy_prior)
         self.router.prompt_len = len(request.prompt_ids)
 
         p = self.prompt_len = len(request.prompt_ids)

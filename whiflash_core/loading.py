@@ -6,6 +6,7 @@ Drafter directory layout (what `whiflash train` writes and what ships under mode
     DIR/eagle3/{config.json, model.safetensors}   SafeAILab or speculators format
     DIR/dflash/{config.json, model.safetensors}   z-lab format
     DIR/router.json                               entropy thresholds from `whiflash bench`
+    DIR/copy_prior.json                           prompt lookup's acceptance by copy run (`whiflash train copy-prior`)
     DIR/router_mlp.safetensors                    the learned policy's MLP (`whiflash train router`)
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter,
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
 from . import costs, decode_ops
+from .acceptance import load_copy_prior
 from .cache import cache_root
 from .engine import Engine
 from .machine import Formats, formats_from, light_formats, measure
@@ -365,8 +367,9 @@ def load_engine(model: str | None = None, drafters: str | None = None, dtype: st
     if directory and os.path.exists(os.path.join(directory, "router.json")):
         calibration = RouterCalibration.load(os.path.join(directory, "router.json"))
     name = EMBEDDED_NAME if model is None else os.path.basename(os.path.normpath(model))
+    copy_prior = load_copy_prior(os.path.join(directory, "copy_prior.json")) if directory else None
     engine = Engine(target, tokenizer, found, calibration, model_name=name,
-                    router_mlp=load_router_mlp(directory, target, found))
+                    router_mlp=load_router_mlp(directory, target, found), copy_prior=copy_prior)
     if measure_costs:
         engine.costs = costs.measure(engine)
     return engine

@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 import torch
 
-from .acceptance import AcceptanceModel, entropy_and_top1, expected_tokens_by_k, situation, top1_probability
+from .acceptance import (AcceptanceModel, copy_situation, entropy_and_top1, expected_tokens_by_k, situation,
+                         top1_probability)
 from .costs import MIN_SECONDS, CostModel
 from .drafters.base import Context, Drafter, DrafterState
 from .layers import entropy_from_logits
@@ -155,6 +156,7 @@ class RoundInputs:
     lookup_room: int = 0              # tokens prompt lookup can copy after its match
     backlogs: dict[str, int] = field(default_factory=dict)   # per drafter: catch-up charged to this round
     hidden: torch.Tensor | None = None   # the target's final-norm hidden state there [d] (learned policy)
+    lookup_run: int = 0               # how long its copy has run (NgramDrafter.copy_run; 0: unknown)
 
 
 @dataclass
@@ -248,7 +250,8 @@ class Router:
     """Per-request routing: the drafters a method uses and each round's choice among them."""
 
     def __init__(self, drafters: dict[str, Drafter], spec: SpeculationConfig, threshold: float,
-                 costs: CostModel | None = None, learned: RouterMLP | None = None):
+                 costs: CostModel | None = None, learned: RouterMLP | None = None,
+                 copy_prior: dict[int, list[float]] | None = None):
         if spec.method in ROUTING_METHODS:
             names = tuple(n for n in drafters if n != LOOKUP or spec.prompt_lookup)
         else:
@@ -256,6 +259,9 @@ class Router:
         self.drafters = {name: drafters[name] for name in names}      # every drafter this request may use
         self.draft_lens = {name: d.draft_len(spec) for name, d in self.drafters.items()}
         self.routes = spec.method in ROUTING_METHODS
+        # the cost and learned policies price every length up to these (prompt lookup: longer)
+        self.route_lens = {name: d.routed_draft_len(spec) for name, d in self.drafters.items()} \
+            if self.routes else dict(self.draft_lens)
         self.policy, self.alpha = spec.policy, spec.alpha
         if self.routes and self.policy == "learned" and learned is None:
             _log_once("speculation.policy 'learned' asked for, but no router MLP is loaded (no "
@@ -265,6 +271,11 @@ class Router:
         self.entropy = EntropyRouter(threshold, *ROUTED["whiflash"]) if self.routes else None
         self.costs = costs if costs is not None else CostModel()
         self.acceptance = AcceptanceModel()
+        # prompt lookup's acceptance by copy run, observed every round against the tokens the round
+        # emitted (its draft is a copy, known before anyone drafts): (copy situation, the copy's
+        # tokens) of the round being routed, then its outcome in `observe`
+        self.copying = AcceptanceModel(copy_prior)
+        self._copy: tuple[int, list[int]] | None = None
         self.calibration: dict[str, Calibration] = {}   # learned policy: per drafter, this request's
         self.previous: str | None = None
         # positions every drafter catches up on once per request, whichever round first picks it
@@ -274,7 +285,7 @@ class Router:
 
     @property
     def longest_draft(self) -> int:
-        return max(self.draft_lens.values(), default=0)
+        return max([*self.draft_lens.values(), *self.route_lens.values()], default=0)
 
     def route(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
               limit: int | None = None, hidden: torch.Tensor | None = None) -> Route:
@@ -320,18 +331,22 @@ class Router:
     def inputs(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, limit: int,
                hidden: torch.Tensor | None = None) -> RoundInputs:
         """This round's RoundInputs from the live request."""
-        match, room = 0, 0
+        match, room, run = 0, 0, 0
+        self._copy = None
         lookup = self.drafters.get(LOOKUP)
         if lookup is not None:   # prompt lookup drafts only what followed its match
             match, start = lookup.match(states[LOOKUP], ctx.ids, ctx.n)
             room = ctx.n + 1 - start if match else 0
+            if match and self.routes and self.policy != "entropy":
+                run = lookup.copy_run(states[LOOKUP], ctx.ids, ctx.n, start)
+                self._copy = (copy_situation(run), ctx.ids[start:start + min(room, self.route_lens[LOOKUP])].tolist())
         # the prompt is charged to no round (see __init__)
         backlogs = {name: max(ctx.n - max(states[name].n_seen, self.prompt_len), 0) for name in self.drafters}
         if self.policy == "cost":
             top1, entropy = top1_probability(logits), None
         else:
             entropy, top1 = entropy_and_top1(logits)
-        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden)
+        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden, lookup_run=run)
 
     def choose(self, inputs: RoundInputs) -> Route:
         """This round's drafter and draft length by the request's policy (a request alone)."""
@@ -347,7 +362,21 @@ class Router:
             self.acceptance.update(route.drafter, route.situation, r.draft_len, r.accepted)
             if route.predicted_accepted is not None and r.draft_len > 0:
                 self.calibration.setdefault(route.drafter, Calibration()).add(route.predicted_accepted, r.accepted)
+        if self._copy is not None:
+            self._observe_copy(*self._copy, r.tokens)
+            self._copy = None
         self.costs.observe(route.drafter, route.draft_len, r.draft_len + 1, route.backlog, r.times)
+
+    def _observe_copy(self, where: int, copy: list[int], emitted: list[int]) -> None:
+        """What prompt lookup's draft `copy` would have had accepted this round, whoever drafted:
+        its leading tokens that equal the tokens the round emitted (the target's own choices, so
+        exactly the acceptance of a greedy verify of that draft). Past the emitted tokens nothing
+        is known: a copy that agreed with all of them says "accepted" up to there only."""
+        agreed = 0
+        while agreed < min(len(copy), len(emitted)) and copy[agreed] == emitted[agreed]:
+            agreed += 1
+        seen = len(copy) if agreed < len(emitted) else agreed   # drafted positions whose outcome is known
+        self.copying.update(LOOKUP, where, seen, agreed)
 
     # -- policies -------------------------------------------------------------------------------
 
@@ -360,13 +389,13 @@ class Router:
     def _gain_candidates(self, inputs: RoundInputs) -> list[Candidate]:
         """The cost and learned policies' candidates: a plain step, then every (drafter, k) with
         its g and t (argmax g / t ** alpha picks among them: `best`, or `choose_shared`)."""
-        longest = min(self.longest_draft, inputs.limit)
+        longest = min(max(self.route_lens.values(), default=0), inputs.limit)
         verify = self.costs.verify.estimates(longest + 1)
         plain = self.costs.router.value
         candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain)]
         predicted = self.predicted_rates(inputs)
         for name in self.drafters:
-            k_max = min(self.draft_lens[name], inputs.limit)
+            k_max = min(self.route_lens[name], inputs.limit)
             if name == LOOKUP:
                 k_max = min(k_max, inputs.lookup_room)
             if k_max <= 0:
@@ -374,7 +403,12 @@ class Router:
             where = situation(name, inputs.top1, inputs.match)
             rates = predicted.get(name)
             raw = None   # learned: g by k from the MLP's own rates
-            if rates is not None:
+            if name == LOOKUP and inputs.lookup_run:
+                # a copy's outcome is seen every round (observe): this request's rates by copy run
+                # know every draft length, where the MLP's lookup head predicts the first few
+                copied = self.copying.rates(name, copy_situation(inputs.lookup_run), k_max)
+                gains = expected_tokens_by_k(copied, k_max)
+            elif rates is not None:
                 # a request drafting past the positions the MLP predicts: its last rate for the rest
                 rates = rates + rates[-1:] * (k_max - len(rates))
                 gains = raw = expected_tokens_by_k(rates, k_max)

@@ -108,6 +108,11 @@ class Drafter(ABC):
         """Tokens this drafter proposes per round: the request's num_draft_tokens, else its default."""
         return max(0, min(spec.num_draft_tokens or self.default_draft_len, self.max_draft_tokens))
 
+    def routed_draft_len(self, spec: SpeculationConfig) -> int:
+        """The longest draft a router that prices every length (the cost and learned policies) may
+        choose for this drafter; draft_len unless the drafter says otherwise."""
+        return self.draft_len(spec)
+
     @abstractmethod
     def new_state(self, capacity: int) -> DrafterState: ...
 

@@ -20,6 +20,11 @@ class NgramConfig:
     min_ngram: int = 2
     max_ngram: int = 3
     num_draft_tokens: int = 3   # default draft length (one 4-row block of the CPU int4 verify)
+    # the longest draft the cost and learned routers may choose for it: they price every length
+    # against this request's copy runs (a copy that has run for 16 tokens often runs on for 10
+    # more), where the method `ngram` alone always drafts num_draft_tokens
+    routed_draft_tokens: int = 15
+    longest_run: int = 32        # copy_run looks this far back at most
 
 
 class NgramState(DrafterState):
@@ -45,6 +50,9 @@ class NgramDrafter(Drafter):
     def default_draft_len(self) -> int:
         return self.cfg.num_draft_tokens
 
+    def routed_draft_len(self, spec) -> int:
+        return max(0, min(spec.num_draft_tokens or self.cfg.routed_draft_tokens, self.max_draft_tokens))
+
     def new_state(self, capacity: int) -> NgramState:
         return NgramState()
 
@@ -67,6 +75,16 @@ class NgramDrafter(Drafter):
                 break
         state.last = (n, match)
         return match
+
+    def copy_run(self, state: NgramState, ids: torch.Tensor, n: int, start: int) -> int:
+        """How many tokens up to the pending one (ids[n]) equal those before `start` (a match's
+        copy source, `match`): the suffix n-gram found is at most max_ngram long, but a copy of a
+        passage agrees far further back, and the longer it has run the longer it tends to go on.
+        At most cfg.longest_run; reads the host copy `match` indexed."""
+        seq, run = state.tokens, 1 if int(ids[n]) == int(ids[start - 1]) else 0
+        while run and run < self.cfg.longest_run and start - 1 - run >= 0 and seq[start - 1 - run] == seq[n - run]:
+            run += 1
+        return run
 
     def _index(self, state: NgramState, ids: torch.Tensor, n: int) -> None:
         """Bring state.grams up to ids[:n] (read on the host once per token: on a GPU each search

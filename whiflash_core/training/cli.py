@@ -15,6 +15,7 @@ TRAIN_COMMANDS = {
     "eagle3": "whiflash_core.training.eagle3",
     "dflash": "whiflash_core.training.dflash",
     "router": "whiflash_core.training.router",
+    "copy-prior": "whiflash_core.training.copy_prior",
     "ship": "whiflash_core.training.ship",
 }
 
