@@ -53,7 +53,7 @@ def _pytorch_attention(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, hd, dtyp
 
 
 @pytest.mark.parametrize("hd", [32, 64, 128])
-@pytest.mark.parametrize("t,start", [(1, 0), (1, 63), (2, 63), (2, 200), (3, 62), (8, 64), (5, 300)])
+@pytest.mark.parametrize("t,start", [(1, 0), (1, 63), (2, 63), (2, 200), (3, 62), (8, 64), (5, 300), (16, 50)])
 def test_attention_writes_the_cache_and_attends_as_sdpa(hd, t, start):
     """Rotary and the cache writes are PyTorch's bits; the attention output is as close to a
     float64 attention over the same q/k/v as SDPA's bf16 result is (chunks of 64 keys: both sides
@@ -73,7 +73,7 @@ def test_attention_writes_the_cache_and_attends_as_sdpa(hd, t, start):
     assert (got.double() - exact).abs().max() <= 1.5 * sdpa_err + 1e-6
 
 
-@pytest.mark.parametrize("t", [2, 6])
+@pytest.mark.parametrize("t", [2, 6, 16])
 def test_attention_rows_do_not_mix(t):
     """Row i of a t-row call does not depend on the other rows' queries, bit for bit: every query is
     computed alone (in its own lane where AVX-512 puts 16 queries in a vector), over keys cut into

@@ -17,7 +17,12 @@ import torch
 from . import native
 
 SOURCE = Path(__file__).parent / "kernels" / "decode_ops.c"
-MAX_ATTENTION_ROWS = 8    # a decode step or a verify (measured no slower than SDPA up to here); more rows take SDPA
+# rows per request through the C attention and the layer stack (a decode step or a verify); more
+# take the module forward and SDPA. Measured at 16 (bench/results/attention_rows_check.txt, one
+# thread, 300 cached): a 9-row verify 25.9 -> 17.9 ms natively and 47.4 -> 39.2 ms with the AVX2
+# kernels, 16 rows 35.6 -> 27.7 / 75.4 -> 65.1 ms, where at 8 they left the layer stack; 1-8 rows
+# the same. Long prompt-lookup drafts (up to 15 tokens) verify here.
+MAX_ATTENTION_ROWS = 16
 
 
 @functools.cache

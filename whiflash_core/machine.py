@@ -60,7 +60,7 @@ FORMATS_CONTEXT = 1024
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
 CACHE_VERSION = 10
-VERIFY_CACHE_VERSION = 5
+VERIFY_CACHE_VERSION = 6
 
 
 @dataclass(frozen=True)
