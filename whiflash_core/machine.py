@@ -342,10 +342,10 @@ def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
                 sync()
                 best[r] = min(best.get(r, float("inf")), time.perf_counter() - t0)
                 caches[0].rollback(CONTEXT)
-        for _ in range(reps):
-            for r in SHARED_ROWS:
-                sizes = [SHARED_SEGMENT_ROWS] * (r // SHARED_SEGMENT_ROWS) + ([r % SHARED_SEGMENT_ROWS] if r % SHARED_SEGMENT_ROWS else [])
-                rows = [ids[CONTEXT:CONTEXT + n] for n in sizes]
+        for r in SHARED_ROWS:   # likewise one total at a time
+            sizes = [SHARED_SEGMENT_ROWS] * (r // SHARED_SEGMENT_ROWS) + ([r % SHARED_SEGMENT_ROWS] if r % SHARED_SEGMENT_ROWS else [])
+            rows = [ids[CONTEXT:CONTEXT + n] for n in sizes]
+            for _ in range(reps):
                 t0 = time.perf_counter()
                 target.forward_many(rows, caches[:len(rows)], taps)
                 sync()
