@@ -16,6 +16,10 @@ and a plain decode step, by the request's `policy`:
                  busy server's total throughput needs once verify forwards are shared).
   The draft length is adaptive: a longer draft wins only where its extra expected tokens pay for
   its extra time (at alpha = 0 time is free, so the longest draft of the best drafter wins).
+  Prompt lookup is priced apart, here and under `learned`: by its copy run (how far back the context
+  agrees with the copy source, NgramDrafter.copy_run), with rates observed every round whoever
+  drafted (the copy is known before drafting: `_observe_copy`), from a measured prior
+  (copy_prior.json, `whiflash train copy-prior`), up to NgramConfig.routed_draft_tokens.
 - `learned`: the same argmax g / t ** alpha, with g from the learned MLP (router_mlp.py) instead
   of the request's running acceptance: per drafter it predicts p_1..p_K from the target's final
   hidden state at the last accepted position, its entropy and top-1 probability there, the
