@@ -31,10 +31,15 @@ def test_copy_run_counts_the_agreement_back_from_the_pending_token():
     def run(ids: list[int]) -> int:
         t, state = torch.tensor(ids), d.new_state(0)
         size, start = d.match(state, t, len(ids) - 1)
-        return d.copy_run(state, t, len(ids) - 1, start)
+        return d.copy_run(state, len(ids) - 1, start)
     assert run([5, 1, 2, 3, 9, 8, 0, 1, 2, 3]) == 3         # 1 2 3 again, 0 before it where 5 was
     assert run([7, 1, 2, 3, 9, 7, 1, 2, 3]) == 4            # 7 1 2 3 again, then the context's start
     assert run([4, 4, 4, 4, 1, 2, 3, 9, 4, 4, 4, 4, 1, 2, 3]) == 5   # capped at longest_run
+    ids = torch.tensor([5, 1, 2, 3, 9, 8, 1, 2, 3])                  # the copy from the host index is
+    state = d.new_state(0)                                           # the tensor's slice, pending included
+    size, start = d.match(state, ids, 8)
+    for length in (1, 3, 5, 9):
+        assert d.copy(state, 8, start, length) == ids[start:min(start + length, 9)].tolist()
 
 
 def test_the_incremental_index_finds_what_a_full_search_finds():

@@ -342,8 +342,8 @@ class Router:
             match, start = lookup.match(states[LOOKUP], ctx.ids, ctx.n)
             room = ctx.n + 1 - start if match else 0
             if match and self.routes and self.policy != "entropy":
-                run = lookup.copy_run(states[LOOKUP], ctx.ids, ctx.n, start)
-                self._copy = (copy_situation(run), ctx.ids[start:start + min(room, self.route_lens[LOOKUP])].tolist())
+                run = lookup.copy_run(states[LOOKUP], ctx.n, start)
+                self._copy = (copy_situation(run), lookup.copy(states[LOOKUP], ctx.n, start, self.route_lens[LOOKUP]))
         # the prompt is charged to no round (see __init__)
         backlogs = {name: max(ctx.n - max(states[name].n_seen, self.prompt_len), 0) for name in self.drafters}
         if self.policy == "cost":
@@ -393,7 +393,7 @@ class Router:
     def _gain_candidates(self, inputs: RoundInputs) -> list[Candidate]:
         """The cost and learned policies' candidates: a plain step, then every (drafter, k) with
         its g and t (argmax g / t ** alpha picks among them: `best`, or `choose_shared`)."""
-        longest = min(max(self.route_lens.values(), default=0), inputs.limit)
+        longest = min(self.longest_draft, inputs.limit)
         verify = self.costs.verify.estimates(longest + 1)
         plain = self.costs.router.value
         candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain)]

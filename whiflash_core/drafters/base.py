@@ -106,7 +106,11 @@ class Drafter(ABC):
 
     def draft_len(self, spec: SpeculationConfig) -> int:
         """Tokens this drafter proposes per round: the request's num_draft_tokens, else its default."""
-        return max(0, min(spec.num_draft_tokens or self.default_draft_len, self.max_draft_tokens))
+        return self.capped_len(spec, self.default_draft_len)
+
+    def capped_len(self, spec: SpeculationConfig, default: int) -> int:
+        """The request's num_draft_tokens, else `default`, within 0..max_draft_tokens."""
+        return max(0, min(spec.num_draft_tokens or default, self.max_draft_tokens))
 
     def routed_draft_len(self, spec: SpeculationConfig) -> int:
         """The longest draft a router that prices every length (the cost and learned policies) may

@@ -51,7 +51,7 @@ class NgramDrafter(Drafter):
         return self.cfg.num_draft_tokens
 
     def routed_draft_len(self, spec) -> int:
-        return max(0, min(spec.num_draft_tokens or self.cfg.routed_draft_tokens, self.max_draft_tokens))
+        return self.capped_len(spec, self.cfg.routed_draft_tokens)
 
     def new_state(self, capacity: int) -> NgramState:
         return NgramState()
@@ -76,15 +76,24 @@ class NgramDrafter(Drafter):
         state.last = (n, match)
         return match
 
-    def copy_run(self, state: NgramState, ids: torch.Tensor, n: int, start: int) -> int:
-        """How many tokens up to the pending one (ids[n]) equal those before `start` (a match's
-        copy source, `match`): the suffix n-gram found is at most max_ngram long, but a copy of a
-        passage agrees far further back, and the longer it has run the longer it tends to go on.
-        At most cfg.longest_run; reads the host copy `match` indexed."""
-        seq, run = state.tokens, 1 if int(ids[n]) == int(ids[start - 1]) else 0
-        while run and run < self.cfg.longest_run and start - 1 - run >= 0 and seq[start - 1 - run] == seq[n - run]:
+    # `match` at n found (size, start): the n-gram ending at the pending token ids[n] also ends at
+    # start - 1, so ids[n] == ids[start - 1] and both helpers below read only the host copy
+    # state.tokens = ids[:n] that `match` indexed (no read of the device tensor).
+
+    def copy_run(self, state: NgramState, n: int, start: int) -> int:
+        """How many tokens up to the pending one equal those before `start` (the copy source): the
+        suffix n-gram found is at most max_ngram long, but a copy of a passage agrees far further
+        back, and the longer it has run the longer it tends to go on. At most cfg.longest_run."""
+        seq, run = state.tokens, 1   # the pending token itself
+        while run < self.cfg.longest_run and start - 1 - run >= 0 and seq[start - 1 - run] == seq[n - run]:
             run += 1
         return run
+
+    def copy(self, state: NgramState, n: int, start: int, length: int) -> list[int]:
+        """The first `length` tokens of the copy (ids[start:start + length], at most up to the
+        pending token at n), from the host copy."""
+        end = min(start + length, n + 1)
+        return state.tokens[start:min(end, n)] + ([state.tokens[start - 1]] if end > n else [])
 
     def _index(self, state: NgramState, ids: torch.Tensor, n: int) -> None:
         """Bring state.grams up to ids[:n] (read on the host once per token: on a GPU each search

@@ -368,10 +368,10 @@ static inline __attribute__((always_inline)) void attend_few_task(const int64_t 
         const uint16_t *kc, const uint16_t *vc, float *parts, int64_t g, int64_t c, int64_t j0, int64_t nk,
         int64_t chunks, int64_t start, int64_t cap, int64_t nq, int64_t group, int64_t nh, float scale) {
     const int64_t hd = vecs * 16, part = hd + 2, blocks = (nk + 15) / 16;
-    float kf[CHUNK * hd] __attribute__((aligned(64)));
     float p[FEW_QUERIES][CHUNK] __attribute__((aligned(64)));
     const uint16_t *kg = kc + (g * cap + j0) * hd, *vg = vc + (g * cap + j0) * hd;   // nk rows of hd
 #if !DOT_BF16
+    float kf[CHUNK * hd] __attribute__((aligned(64)));   // the chunk's keys in float32 (zero past nk)
     for (int64_t e = 0; e < nk * hd; e += 16) _mm512_store_ps(kf + e, load16_bf16(kg + e));
     for (int64_t e = nk * hd; e < blocks * 16 * hd; e += 16) _mm512_store_ps(kf + e, _mm512_setzero_ps());
 #endif
