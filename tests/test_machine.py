@@ -10,7 +10,8 @@ import torch
 
 from tiny import tiny_target
 from whiflash_core.engine import METHODS, Engine, GenerationRequest, SpeculationConfig
-from whiflash_core.machine import PREFILL_ROWS, Formats, choose, head_kinds, measure
+from whiflash_core import machine
+from whiflash_core.machine import PREFILL_ROWS, Formats, choose, envelope, head_kinds, measure, out_of_order, verify_tables
 
 CANDIDATES = [("bfloat16", "int4"), ("bfloat16", "int8"), ("bfloat16", "dense"), ("float32", "dense")]
 
@@ -74,6 +75,59 @@ def test_measure_times_the_candidates_and_caches_them(tmp_path, monkeypatch):
     (cached,) = tmp_path.glob("formats-*.json")
     assert json.loads(cached.read_text()) == first
     assert measure(cfg, ("int8",)) == first  # read back, not timed again
+
+
+def test_out_of_order_tables_are_spotted_and_read_from_below():
+    quiet = {1: 2.94e-3, 2: 3.6e-3, 4: 5.43e-3, 8: 8.1e-3}
+    contended = {1: 25.0e-3, 2: 21.0e-3, 4: 17.2e-3, 8: 30.0e-3}  # timed beside a training job
+    assert not out_of_order(quiet)
+    assert not out_of_order({1: 1.0e-4, 4: 0.9e-4})  # a tiny model's noise: within the absolute slack
+    assert out_of_order(contended)
+    assert envelope(contended) == {1: 17.2e-3, 2: 17.2e-3, 4: 17.2e-3, 8: 30.0e-3}
+    assert envelope(quiet) == quiet
+
+
+def test_a_contended_verify_timing_is_timed_again_and_never_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    target = tiny_target(torch.float32)
+    quiet = ({1: 3e-3, 4: 5e-3}, {4: 5e-3, 8: 9e-3})
+    contended = ({1: 25e-3, 4: 17e-3}, {4: 5e-3, 8: 9e-3})
+    timings = iter([contended, quiet])
+    monkeypatch.setattr(machine, "_time_verify", lambda *a: next(timings))
+    assert verify_tables(target) == quiet             # the second attempt, in order
+    assert len(list(tmp_path.glob("verify-*.json"))) == 1
+    assert verify_tables(target) == quiet             # read back from the cache (the iterator is spent)
+
+    for f in tmp_path.glob("verify-*.json"):
+        f.unlink()
+    calls = []
+    monkeypatch.setattr(machine, "_time_verify", lambda *a: calls.append(1) or contended)
+    table, shared = verify_tables(target)
+    assert len(calls) == machine.MEASURE_ATTEMPTS
+    assert table == {1: 17e-3, 4: 17e-3} and shared == contended[1]
+    assert not list(tmp_path.glob("verify-*.json"))   # the next start times it again
+    # a contended table cached by an older build is not trusted either
+    (tmp_path / "verify-old.json").write_text("{}")
+    monkeypatch.setattr(machine, "_cache_path", lambda key, kind="formats": str(tmp_path / "verify-old.json"))
+    (tmp_path / "verify-old.json").write_text(json.dumps({"table": {"1": 25e-3, "4": 17e-3}, "shared": {"4": 5e-3}}))
+    monkeypatch.setattr(machine, "_time_verify", lambda *a: quiet)
+    assert verify_tables(target) == quiet
+
+
+def test_a_contended_format_timing_is_timed_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    cfg = tiny_target(torch.float32).cfg
+    rows = (1, 4, 8) + PREFILL_ROWS
+    good = table(0.5, 0.3)
+    good["float32/int4"] = {r: 2 * t for r, t in good["bfloat16/int4"].items()}
+    del good["bfloat16/int8"]
+    bad = copy.deepcopy(good)
+    bad["bfloat16/int4"][1] = 0.5   # one row timed at 500 ms: the machine was busy
+    timings = iter([bad, good])
+    monkeypatch.setattr(machine, "time_formats", lambda *a, **k: next(timings))
+    result = measure(cfg, ("int4",))
+    assert result["table"]["bfloat16/int4"] == {str(r): round(good["bfloat16/int4"][r], 6) for r in rows}
+    assert len(list(tmp_path.glob("formats-*.json"))) == 1
 
 
 def _run(model, chunks: list[torch.Tensor], taps=(1, 3)):
