@@ -145,9 +145,16 @@ def envelope(table: dict[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
-def _warn_out_of_order(what: str) -> None:
+def _timed_in_order(time_once, what: str) -> tuple[dict, bool]:
+    """time_once() -> {name: {rows: seconds}}, timed until no table is out of order, MEASURE_ATTEMPTS
+    times at most; returns (tables, in order?), tables still out of order as their lower envelopes."""
+    for _ in range(MEASURE_ATTEMPTS):
+        tables = time_once()
+        if not any(map(out_of_order, tables.values())):
+            return tables, True
     print(f"whiflash: the {what} timings stayed out of order in {MEASURE_ATTEMPTS} attempts (is other work "
           "running?); using their lower envelope, not caching them", file=sys.stderr, flush=True)
+    return {name: envelope(t) for name, t in tables.items()}, False
 
 
 def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str = "int8"):
@@ -306,14 +313,7 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
     started = time.perf_counter()
     candidates = ([(d, w) for d in ("bfloat16", "float32") for w in light_formats]
                   + [("bfloat16", "dense"), ("float32", "dense")])
-    for _ in range(MEASURE_ATTEMPTS):
-        table = time_formats(cfg, candidates, heads=head_kinds())
-        in_order = not any(out_of_order(t) for t in table.values())
-        if in_order:
-            break
-    else:
-        _warn_out_of_order("format")
-        table = {k: envelope(t) for k, t in table.items()}
+    table, in_order = _timed_in_order(lambda: time_formats(cfg, candidates, heads=head_kinds()), "format")
     if verbose:
         for name, t in table.items():
             print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), file=sys.stderr,
@@ -359,13 +359,11 @@ def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
         tables = ({int(r): t for r, t in saved["table"].items()}, {int(r): t for r, t in saved["shared"].items()})
         if not any(map(out_of_order, tables)):
             return tables
-    for _ in range(MEASURE_ATTEMPTS):
-        best, shared = _time_verify(target, taps, reps)
-        if not (out_of_order(best) or out_of_order(shared)):
-            break
-    else:
-        _warn_out_of_order("verify")
-        return envelope(best), envelope(shared)
+    tables, in_order = _timed_in_order(lambda: dict(zip(("table", "shared"), _time_verify(target, taps, reps))),
+                                       "verify")
+    best, shared = tables["table"], tables["shared"]
+    if not in_order:
+        return best, shared
     _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,
                        "table": {str(r): round(t, 6) for r, t in best.items()},
                        "shared": {str(r): round(t, 6) for r, t in shared.items()}})
