@@ -23,7 +23,8 @@ import os
 
 from .limits import is_api_post
 
-TRIM_DELAY_SECONDS = 0.5  # refusals within this long share one trim
+TRIM_DELAY_SECONDS = 0.5  # a trim waits for this long a pause in the refusals...
+TRIM_MAX_WAIT_SECONDS = 5.0  # ...but no longer than this after the first one, so a flood still trims
 M_ARENA_MAX = -8          # glibc's mallopt() parameter behind MALLOC_ARENA_MAX
 
 
@@ -72,12 +73,15 @@ def _libc():
 
 class ReleaseMemoryAfterRefusals:
     """ASGI middleware around the API's POSTs: after one is refused (4xx), trim the heap once the
-    request's objects are gone. Coalesced (one trim per TRIM_DELAY_SECONDS however many refusals)
-    and run off the event loop, so a flood of bad requests costs no more than a few trims a second."""
+    request's objects are gone. Debounced on the trailing edge: the trim runs once the refusals pause
+    for TRIM_DELAY_SECONDS (at the latest TRIM_MAX_WAIT_SECONDS after the first of them), so a burst
+    gets one trim however fast or slow it arrives, and a flood costs a trim every few seconds. The
+    trim runs off the event loop."""
 
     def __init__(self, app):
         self.app = app
-        self._pending = False
+        self._timer: asyncio.TimerHandle | None = None
+        self._first_refusal = 0.0  # loop time of the oldest refusal not yet trimmed after
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or not is_api_post(scope):
@@ -97,13 +101,16 @@ class ReleaseMemoryAfterRefusals:
                 self._trim_soon()
 
     def _trim_soon(self) -> None:
-        if self._pending:
-            return
-        self._pending = True
         loop = asyncio.get_running_loop()
+        now = loop.time()
+        if self._timer is None:
+            self._first_refusal = now
+        else:
+            self._timer.cancel()  # another refusal: wait for the pause after it instead
+        due = min(now + TRIM_DELAY_SECONDS, self._first_refusal + TRIM_MAX_WAIT_SECONDS)
 
         def trim():
-            self._pending = False
+            self._timer = None
             loop.run_in_executor(None, release_free_memory)
 
-        loop.call_later(TRIM_DELAY_SECONDS, trim)
+        self._timer = loop.call_at(due, trim)

@@ -717,6 +717,24 @@ def test_refused_requests_trim_the_heap_once_per_burst(monkeypatch):
         assert len(trims) == 1
 
 
+def test_a_flood_of_refusals_that_never_pauses_still_trims(monkeypatch):
+    import app.memory as memory
+
+    trims = []
+    monkeypatch.setattr(memory, "release_free_memory", lambda: trims.append(time.monotonic()))
+    monkeypatch.setattr(memory, "TRIM_DELAY_SECONDS", 0.2)
+    monkeypatch.setattr(memory, "TRIM_MAX_WAIT_SECONDS", 0.5)
+    app, tc = in_process(FakeEngine("ok"))
+    with tc:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:  # refusals back to back: never a 0.2 s pause
+            assert tc.post("/v1/chat/completions", json={"messages": "nope"}).status_code == 400
+        flood_over = time.monotonic()
+        assert trims and trims[0] < flood_over  # the max wait, not the pause, set off the first trim
+        assert len(trims) <= 4  # about one per max wait, not one per refusal
+        assert_still_serving(tc)
+
+
 def test_malloc_arenas_are_capped_unless_the_environment_says(monkeypatch):
     import argparse
 
