@@ -145,9 +145,14 @@ def test_the_mlp_file_round_trips_in_bf16_and_a_576_wide_one_is_under_a_megabyte
     # a change of the weights
     for model in (mlp, back):
         assert sum(model.rates(x).values(), []) == pytest.approx(torch.sigmoid(model(x[None]))[0].tolist(), abs=1e-6)
+    # a serving round's call (hidden state and scalars apart, weights bound once) computes the same
+    hidden, scalars = x[:576].bfloat16(), x[576:].tolist()
+    whole = torch.cat([hidden.float(), x[576:]])
+    assert back.rates_at(hidden, scalars) == back.rates(whole)
     with torch.no_grad():
         back.fc1.bias.add_(1.0)
     assert sum(back.rates(x).values(), []) == pytest.approx(torch.sigmoid(back(x[None]))[0].tolist(), abs=1e-6)
+    assert back.rates_at(hidden, scalars) == back.rates(whole)   # ...and sees the changed weights
     with torch.no_grad():
         back.fc1.bias.sub_(1.0)
     for name, rates in back.rates(x).items():

@@ -120,6 +120,42 @@ def mlp2(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, 
     return list(out)
 
 
+class MLP2:
+    """`mlp2` bound to one set of weights, for a call every round (RouterMLP.rates_at): the weights'
+    pointers, an input row [F] and the output array are made once, so a call is a copy of the
+    hidden state into the row, a write of the scalars after it, and the C call (the generic `mlp2`
+    checks and converts its five tensors every call, which cost as much as the C itself). None from
+    `make` where the C ops are not built or do not take these weights."""
+
+    def __init__(self, lib, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor):
+        self._weights = (w1, b1, w2, b2)   # kept alive: the C call reads them by address
+        self.features, self.width, self.outputs = w1.shape[1], w1.shape[0], w2.shape[0]
+        self.x = torch.zeros(self.features)
+        self._x_np = self.x.numpy()        # the same memory: the scalars are written through it
+        self._out = (ctypes.c_float * self.outputs)()
+        self._args = (self.x.data_ptr(), self.features, w1.data_ptr(), b1.data_ptr(), self.width,
+                      w2.data_ptr(), b2.data_ptr(), self.outputs, self._out)
+        self._fn = lib.mlp2_f32
+
+    @classmethod
+    def make(cls, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> "MLP2 | None":
+        lib = _library()
+        if (lib is None or w1.shape[0] > MAX_MLP_WIDTH
+                or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                       for t in (w1, b1, w2, b2))):
+            return None
+        return cls(lib, w1, b1, w2, b2)
+
+    def __call__(self, hidden: torch.Tensor, scalars: list[float]) -> list[float]:
+        """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for x = [hidden, scalars] (hidden: [d], any float
+        dtype, on the CPU)."""
+        d = hidden.shape[0]
+        self.x[:d].copy_(hidden)
+        self._x_np[d:] = scalars
+        self._fn(*self._args)
+        return self._out[:]
+
+
 def use_for(model: torch.nn.Module) -> bool:
     """Turn these ops on in `model`'s norms, attention and MLPs (the modules with a `native_ops`
     flag); False (and nothing changed) where the kernels could not be built here."""

@@ -64,7 +64,7 @@ from .costs import MIN_SECONDS, CostModel
 from .drafters.base import Context, Drafter, DrafterState
 from .layers import entropy_from_logits
 from .rounds import Round
-from .router_mlp import RouterMLP, features
+from .router_mlp import RouterMLP, scalar_features
 
 log = logging.getLogger(__name__)
 
@@ -432,8 +432,8 @@ class Router:
         """The learned policy's p_1..p_K per drafter it has a head for ({} for the cost policy)."""
         if self.learned is None or inputs.hidden is None:
             return {}
-        x = features(self.learned.cfg, inputs.hidden, inputs.entropy, inputs.top1, inputs.match, self.acceptance)
-        return self.learned.rates(x)
+        scalars = scalar_features(self.learned.cfg, inputs.entropy, inputs.top1, inputs.match, self.acceptance)
+        return self.learned.rates_at(inputs.hidden, scalars)
 
 
 _logged: set[str] = set()
