@@ -106,13 +106,22 @@ def softmax_stats(logits: torch.Tensor) -> tuple[float, float] | None:
 MAX_MLP_WIDTH = 1024   # mlp2_f32's hidden layer lives on its stack
 
 
-def mlp2(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> list[float] | None:
-    """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for float32 CPU tensors, in one C call on this thread
-    (router_mlp.RouterMLP.rates), or None where the C ops are not built or do not take these."""
+def _mlp2_library(w1: torch.Tensor, *tensors: torch.Tensor):
+    """The C ops, where they are built and take these tensors (float32, CPU, contiguous; w1 first:
+    its rows are the hidden layer, at most MAX_MLP_WIDTH), else None."""
     lib = _library()
     if (lib is None or w1.shape[0] > MAX_MLP_WIDTH
             or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-                   for t in (x, w1, b1, w2, b2))):
+                   for t in (w1, *tensors))):
+        return None
+    return lib
+
+
+def mlp2(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> list[float] | None:
+    """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for float32 CPU tensors, in one C call on this thread
+    (router_mlp.RouterMLP.rates), or None where the C ops are not built or do not take these."""
+    lib = _mlp2_library(w1, b1, w2, b2, x)
+    if lib is None:
         return None
     out = (ctypes.c_float * w2.shape[0])()
     lib.mlp2_f32(x.data_ptr(), x.shape[0], w1.data_ptr(), b1.data_ptr(), w1.shape[0], w2.data_ptr(), b2.data_ptr(),
@@ -139,12 +148,8 @@ class MLP2:
 
     @classmethod
     def make(cls, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> "MLP2 | None":
-        lib = _library()
-        if (lib is None or w1.shape[0] > MAX_MLP_WIDTH
-                or any(t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
-                       for t in (w1, b1, w2, b2))):
-            return None
-        return cls(lib, w1, b1, w2, b2)
+        lib = _mlp2_library(w1, b1, w2, b2)
+        return None if lib is None else cls(lib, w1, b1, w2, b2)
 
     def __call__(self, hidden: torch.Tensor, scalars: list[float]) -> list[float]:
         """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for x = [hidden, scalars] (hidden: [d], any float

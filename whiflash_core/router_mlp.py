@@ -118,16 +118,30 @@ class RouterMLP(nn.Module):
         """[..., sum K] -> {drafter: [..., K]}."""
         return dict(zip(self.cfg.drafters, values.split(list(self.cfg.draft_lens), dim=-1)))
 
-    def _folded(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """fc1 with the standardisation folded in (W / scale, b - (W / scale) shift), recomputed
-        only when a parameter changed: a serving round reads one weight matrix, usually from a
-        cache the target's forward just evicted, so fewer bytes and ops are most of its cost."""
-        key = tuple(t._version for t in (self.fc1.weight, self.fc1.bias, self.shift, self.scale))
-        if getattr(self, "_fold_key", None) != key:
+    def _folded(self) -> tuple[torch.Tensor, torch.Tensor, "decode_ops.MLP2 | None"]:
+        """fc1 with the standardisation folded in (W / scale, b - (W / scale) shift) and the C call
+        bound to it and fc2 (decode_ops.MLP2), remade only when a parameter changed in place
+        (training, load_state_dict): a serving round reads one weight matrix, usually from a cache
+        the target's forward just evicted, so fewer bytes and ops are most of its cost."""
+        params = self.__dict__.get("_fold_params")
+        if params is None:   # the parameter objects, once: reading them through nn.Module is slow
+            params = self._fold_params = (self.fc1.weight, self.fc1.bias, self.shift, self.scale,
+                                          self.fc2.weight, self.fc2.bias)
+        key = tuple(t._version for t in params)
+        if self.__dict__.get("_fold_key") != key:
             w = self.fc1.weight / self.scale
-            self._fold = (w.contiguous(), self.fc1.bias - w @ self.shift)
-            self._fold_key = key
+            w1, b1 = w.contiguous(), self.fc1.bias - w @ self.shift
+            call = decode_ops.MLP2.make(w1, b1, self.fc2.weight.detach().float().contiguous(),
+                                        self.fc2.bias.detach().float().contiguous())
+            self._fold, self._fold_key = (w1, b1, call), key
         return self._fold
+
+    def _per_drafter(self, p: list[float]) -> dict[str, list[float]]:
+        """[sum K] values -> {drafter: its K}, in config order."""
+        out, i = {}, 0
+        for name, k in zip(self.cfg.drafters, self.cfg.draft_lens):
+            out[name], i = p[i:i + k], i + k
+        return out
 
     @torch.inference_mode()
     def rates(self, x: torch.Tensor) -> dict[str, list[float]]:
@@ -135,42 +149,23 @@ class RouterMLP(nn.Module):
         sigmoid(self(x)) in eval mode, by matrix-vector products: on the CPU in one C call
         (decode_ops.mlp2; between two target forwards, PyTorch's handful of ops on these few
         thousand weights measured ~160 us a round, dispatch and a woken thread pool included)."""
-        w1, b1 = self._folded()
+        w1, b1, _ = self._folded()
         p = decode_ops.mlp2(x.float().contiguous(), w1, b1, self.fc2.weight, self.fc2.bias)
         if p is None:
             h = F.gelu(torch.addmv(b1, w1, x.to(w1.dtype)))
             p = torch.sigmoid(torch.addmv(self.fc2.bias, self.fc2.weight, h)).tolist()
-        out, i = {}, 0
-        for name, k in zip(self.cfg.drafters, self.cfg.draft_lens):
-            out[name], i = p[i:i + k], i + k
-        return out
+        return self._per_drafter(p)
 
     @torch.inference_mode()
     def rates_at(self, hidden: torch.Tensor, scalars: list[float]) -> dict[str, list[float]]:
         """rates(x) for x = [hidden, scalars] (`features` without building x): a serving round's
-        call. On the CPU one C call on weights bound once per change of a parameter
-        (decode_ops.MLP2: in a round, after the target's forward has evicted the caches, building
-        x and checking the tensors measured ~350 us of the router's ~700 us at one thread)."""
-        call = self._serving_call()
+        call. On the CPU one C call on the weights `_folded` bound (decode_ops.MLP2: in a round,
+        after the target's forward has evicted the caches, building x and checking the tensors
+        measured ~350 us of the router's ~700 us at one thread)."""
+        call = self._folded()[2]
         if call is None:
             return self.rates(torch.cat([hidden.float(), torch.tensor(scalars, device=hidden.device)]))
-        p, out, i = call(hidden, scalars), {}, 0
-        for name, k in zip(self.cfg.drafters, self.cfg.draft_lens):
-            out[name], i = p[i:i + k], i + k
-        return out
-
-    def _serving_call(self) -> "decode_ops.MLP2 | None":
-        params = self.__dict__.get("_serving_params")
-        if params is None:   # the parameter objects, once: reading them through nn.Module is slow
-            params = self._serving_params = (self.fc1.weight, self.fc1.bias, self.shift, self.scale,
-                                             self.fc2.weight, self.fc2.bias)
-        key = tuple(t._version for t in params)   # an in-place change (training, load_state_dict)
-        if self.__dict__.get("_serving_key") != key:
-            w1, b1 = self._folded()
-            self._serving = decode_ops.MLP2.make(w1, b1, self.fc2.weight.detach().float().contiguous(),
-                                                 self.fc2.bias.detach().float().contiguous())
-            self._serving_key = key
-        return self._serving
+        return self._per_drafter(call(hidden, scalars))
 
     # -- the shipped file ---------------------------------------------------------------------
 
