@@ -137,3 +137,25 @@ def test_softmax_stats_are_the_router_s_entropy_and_top1(scale):
         assert entropy == pytest.approx(ref_entropy, rel=1e-5, abs=1e-5)
         assert top1 == pytest.approx(float(p.max()), rel=1e-5)
     assert decode_ops.softmax_stats(torch.randn(8).double()) is None   # not float32: PyTorch's ops decide
+
+
+def test_softmax_stats_of_a_mostly_masked_row_and_on_any_thread_count():
+    """The row is reduced in fixed spans shared among the pool's threads: the same bits on one
+    thread and on two; spans with every logit masked (-inf) add nothing (no NaN)."""
+    torch.manual_seed(5)
+    masked = torch.full((49152,), float("-inf"))
+    masked[[7, 30000, 49151]] = torch.tensor([2.0, 1.0, -3.0])
+    rows = [torch.randn(49152) * 4, masked, torch.randn(50001) * 40]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = [decode_ops.softmax_stats(r) for r in rows]
+        torch.set_num_threads(2)
+        two = [decode_ops.softmax_stats(r) for r in rows]
+    finally:
+        torch.set_num_threads(threads)
+    assert one == two
+    p = torch.softmax(torch.tensor([2.0, 1.0, -3.0], dtype=torch.float64), -1)
+    entropy, top1 = one[1]
+    assert entropy == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
+    assert top1 == pytest.approx(float(p.max()), rel=1e-6)

@@ -149,6 +149,21 @@ def test_the_mlp_file_round_trips_in_bf16_and_a_576_wide_one_is_under_a_megabyte
     hidden, scalars = x[:576].bfloat16(), x[576:].tolist()
     whole = torch.cat([hidden.float(), x[576:]])
     assert back.rates_at(hidden, scalars) == back.rates(whole)
+    # float32 and strided hidden states too (read in place, or copied first)
+    assert back.rates_at(hidden.float(), scalars) == back.rates(whole)
+    assert back.rates_at(torch.stack([hidden, hidden], 1)[:, 0], scalars) == back.rates(whole)
+    threads = torch.get_num_threads()
+    try:   # its hidden rows are shared among the pool's threads: the same bits on any count
+        torch.set_num_threads(1)
+        one = back.rates_at(hidden, scalars)
+        torch.set_num_threads(2)
+        assert back.rates_at(hidden, scalars) == one
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError):   # the C call would read past a shorter row
+        back.rates_at(hidden[:500], scalars)
+    with pytest.raises(ValueError):
+        back.rates_at(hidden, scalars[:-1])
     with torch.no_grad():
         back.fc1.bias.add_(1.0)
     assert sum(back.rates(x).values(), []) == pytest.approx(torch.sigmoid(back(x[None]))[0].tolist(), abs=1e-6)

@@ -141,9 +141,20 @@ class AcceptanceModel:
         self.overall: dict[str, PositionRates] = {}
         self.by_situation: dict[tuple[str, int], PositionRates] = {}
         self.priors = priors or {}
+        # rates() per drafter by (situation, k_max) until its next update: the routers ask for
+        # every drafter's rates every round, and most rounds update one drafter or none
+        self._memo: dict[str, dict[tuple[int, int], list[float]]] = {}
 
     def rates(self, drafter: str, where: int, k_max: int) -> list[float]:
-        """p_1..p_k_max for `drafter` in situation `where`."""
+        """p_1..p_k_max for `drafter` in situation `where` (the list may be shared between calls:
+        read it, do not change it)."""
+        memo = self._memo.setdefault(drafter, {})
+        out = memo.get((where, k_max))
+        if out is None:
+            out = memo[(where, k_max)] = self._rates(drafter, where, k_max)
+        return out
+
+    def _rates(self, drafter: str, where: int, k_max: int) -> list[float]:
         measured = self.priors.get(where)
         if measured:   # past its last position the prior keeps its last rate
             prior = (measured + measured[-1:] * k_max)[:k_max]
@@ -161,5 +172,6 @@ class AcceptanceModel:
     def update(self, drafter: str, where: int, k: int, accepted: int) -> None:
         if k <= 0:
             return
+        self._memo.pop(drafter, None)
         self.overall.setdefault(drafter, PositionRates()).update(k, accepted)
         self.by_situation.setdefault((drafter, where), PositionRates()).update(k, accepted)

@@ -41,6 +41,8 @@ def _library() -> ctypes.CDLL | None:
     lib.softmax_stats_f32.restype = None
     lib.mlp2_f32.argtypes = [p, i64, p, p, i64, p, p, i64, p]
     lib.mlp2_f32.restype = None
+    lib.mlp2_at_f32.argtypes = [p, i64, ctypes.c_int, p, i64, p, p, i64, p, p, i64, p]
+    lib.mlp2_at_f32.restype = None
     return lib
 
 
@@ -88,17 +90,20 @@ def attend_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
     return out
 
 
+_STATS = ctypes.c_float * 2
+
+
 def softmax_stats(logits: torch.Tensor) -> tuple[float, float] | None:
     """(entropy in nats, top-1 probability) of softmax(logits) for one float32 CPU row [V] in one
-    C call on this thread, or None where the C ops are not built or do not take it (the caller
-    then uses PyTorch's ops: acceptance.entropy_and_top1)."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 1:
-        return None
+    C call (threaded over fixed spans: the same bits on any thread count), or None where the C ops
+    are not built or do not take it (the caller then uses PyTorch's ops: acceptance.entropy_and_top1).
+    Called once a round on cold objects, so the checks are few and cheap."""
     lib = _library()
-    if lib is None:
+    if lib is None or logits.dtype is not torch.float32 or not logits.is_cpu or logits.dim() != 1:
         return None
-    logits = logits.contiguous()
-    out = (ctypes.c_float * 2)()
+    if not logits.is_contiguous():
+        logits = logits.contiguous()
+    out = _STATS()
     lib.softmax_stats_f32(logits.data_ptr(), logits.shape[0], out)
     return out[0], out[1]
 
@@ -118,8 +123,9 @@ def _mlp2_library(w1: torch.Tensor, *tensors: torch.Tensor):
 
 
 def mlp2(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> list[float] | None:
-    """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for float32 CPU tensors, in one C call on this thread
-    (router_mlp.RouterMLP.rates), or None where the C ops are not built or do not take these."""
+    """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for float32 CPU tensors, in one C call (its hidden rows
+    shared among the pool's threads, the same bits on any count; router_mlp.RouterMLP.rates), or
+    None where the C ops are not built or do not take these."""
     lib = _mlp2_library(w1, b1, w2, b2, x)
     if lib is None:
         return None
@@ -131,33 +137,40 @@ def mlp2(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, 
 
 class MLP2:
     """`mlp2` bound to one set of weights, for a call every round (RouterMLP.rates_at): the weights'
-    pointers, an input row [F] and the output array are made once, so a call is a copy of the
-    hidden state into the row, a write of the scalars after it, and the C call (the generic `mlp2`
-    checks and converts its five tensors every call, which cost as much as the C itself). None from
-    `make` where the C ops are not built or do not take these weights."""
+    pointers, the scalars' array and the output array are made once, and the C call reads the
+    hidden state where it lies (bf16 or float32), so a call is a write of the scalars and one C
+    call. In a round every Python object the call touches is cold (the target's forward has just
+    evicted the caches): the generic `mlp2` checks and converts its five tensors every call, which
+    cost as much as the C itself, and copying the hidden state into a float32 row with a tensor op
+    cost ~20 of the ~100 us such a call took. None from `make` where the C ops are not built or do
+    not take these weights."""
 
-    def __init__(self, lib, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor):
+    def __init__(self, lib, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, hidden_size: int):
         self._weights = (w1, b1, w2, b2)   # kept alive: the C call reads them by address
         self.features, self.width, self.outputs = w1.shape[1], w1.shape[0], w2.shape[0]
-        self.x = torch.zeros(self.features)
-        self._x_np = self.x.numpy()        # the same memory: the scalars are written through it
+        self.hidden_size = hidden_size
+        self._scalars = (ctypes.c_float * (self.features - hidden_size))()
         self._out = (ctypes.c_float * self.outputs)()
-        self._args = (self.x.data_ptr(), self.features, w1.data_ptr(), b1.data_ptr(), self.width,
-                      w2.data_ptr(), b2.data_ptr(), self.outputs, self._out)
-        self._fn = lib.mlp2_f32
+        self._weight_args = (w1.data_ptr(), b1.data_ptr(), self.width, w2.data_ptr(), b2.data_ptr(), self.outputs,
+                             self._out)
+        self._fn = lib.mlp2_at_f32
 
     @classmethod
-    def make(cls, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> "MLP2 | None":
+    def make(cls, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+             hidden_size: int) -> "MLP2 | None":
         lib = _mlp2_library(w1, b1, w2, b2)
-        return None if lib is None else cls(lib, w1, b1, w2, b2)
+        return None if lib is None else cls(lib, w1, b1, w2, b2, hidden_size)
 
     def __call__(self, hidden: torch.Tensor, scalars: list[float]) -> list[float]:
-        """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for x = [hidden, scalars] (hidden: [d], any float
-        dtype, on the CPU)."""
-        d = hidden.shape[0]
-        self.x[:d].copy_(hidden)
-        self._x_np[d:] = scalars
-        self._fn(*self._args)
+        """sigmoid(w2 @ gelu(w1 @ x + b1) + b2) for x = [hidden, scalars] (hidden: [hidden_size]
+        on the CPU, any float dtype; bf16 and float32 contiguous rows are read in place)."""
+        if hidden.shape != (self.hidden_size,):   # the C call reads hidden_size values from its address
+            raise ValueError(f"hidden state of shape {tuple(hidden.shape)}, the router MLP takes ({self.hidden_size},)")
+        if hidden.dtype not in (torch.bfloat16, torch.float32) or not hidden.is_contiguous():
+            hidden = hidden.float().contiguous()
+        self._scalars[:] = scalars   # a list of another length raises (ctypes)
+        self._fn(hidden.data_ptr(), self.hidden_size, hidden.dtype is torch.bfloat16, self._scalars,
+                 len(self._scalars), *self._weight_args)
         return self._out[:]
 
 

@@ -132,7 +132,7 @@ class RouterMLP(nn.Module):
             w = self.fc1.weight / self.scale
             w1, b1 = w.contiguous(), self.fc1.bias - w @ self.shift
             call = decode_ops.MLP2.make(w1, b1, self.fc2.weight.detach().float().contiguous(),
-                                        self.fc2.bias.detach().float().contiguous())
+                                        self.fc2.bias.detach().float().contiguous(), self.cfg.hidden_size)
             self._fold, self._fold_key = (w1, b1, call), key
         return self._fold
 

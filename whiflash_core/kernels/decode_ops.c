@@ -620,38 +620,88 @@ int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
 
 // ------------------------------------------------------------------ the router's softmax statistics
 
-// Entropy (nats) and top-1 probability of softmax(l) over n float32 logits, on the calling thread
-// (49,152 logits: ~15 us; as PyTorch ops over the same row, woken thread pool and all, it measured
-// ~200 us of a ~6 ms round): with m = max l, e_i = e^(l_i - m), Z = sum e_i,
+// Entropy (nats) and top-1 probability of softmax(l) over n float32 logits. With m = max l,
+// e_i = e^(l_i - m), Z = sum e_i:
 //     H = log Z - sum e_i (l_i - m) / Z,   top1 = 1 / Z.
 // -inf logits (masked tokens) count as probability 0. out[0] = H, out[1] = top1.
-void softmax_stats_f32(const float *l, int64_t n, float *out) {
-    const int64_t n8 = n / 8 * 8;
-    __m256 mx8 = _mm256_set1_ps(-INFINITY);
-    for (int64_t i = 0; i < n8; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(l + i));
-    float m = -INFINITY;
+//
+// The row is cut into SOFTMAX_SPANS fixed spans, each reduced on its own (its max m_s, then
+// Z_s = sum e^(l_i - m_s) and S_s = sum e^(l_i - m_s) (l_i - m_s)) by whichever thread of the
+// pool takes it, and merged in span order with w_s = e^(m_s - m):
+//     Z = sum_s w_s Z_s,   sum e_i (l_i - m) = sum_s w_s (S_s + (m_s - m) Z_s),
+// so the result is the same bits on any thread count. A span with only -inf logits adds nothing.
+// (49,152 logits: ~25 us on one thread with 8 lanes; as PyTorch ops over the same row, woken
+// thread pool and all, it measured ~200 us of a ~6 ms round.)
+#define SOFTMAX_SPANS 8
+
+static void softmax_span(const float *l, int64_t n, float *stats) {
+    float m = -INFINITY, z = 0.0f, s = 0.0f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= n; i += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(l + i));
+    m = _mm512_reduce_max_ps(mx);
+#else
+    __m256 mx = _mm256_set1_ps(-INFINITY);
+    for (; i + 8 <= n; i += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(l + i));
     {
         float lanes[8];
-        _mm256_storeu_ps(lanes, mx8);
+        _mm256_storeu_ps(lanes, mx);
         for (int j = 0; j < 8; j++) m = lanes[j] > m ? lanes[j] : m;
-        for (int64_t i = n8; i < n; i++) m = l[i] > m ? l[i] : m;
     }
+#endif
+    for (int64_t j = i; j < n; j++) m = l[j] > m ? l[j] : m;
+    if (m == -INFINITY) {   // every logit masked: nothing to add (and l - m would be NaN)
+        stats[0] = m, stats[1] = 0.0f, stats[2] = 0.0f;
+        return;
+    }
+    i = 0;
+    // t >= -87.3: the exp gives 0 below it, and 0 * t stays 0 where l = -inf
+#if defined(__AVX512F__)
+    const __m512 mv = _mm512_set1_ps(m), lo = _mm512_set1_ps(-87.3f);
+    __m512 z16 = _mm512_setzero_ps(), s16 = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        const __m512 t = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(l + i), mv), lo);
+        const __m512 e = exp16(t);
+        z16 = _mm512_add_ps(z16, e);
+        s16 = _mm512_fmadd_ps(e, t, s16);
+    }
+    z = _mm512_reduce_add_ps(z16), s = _mm512_reduce_add_ps(s16);
+#else
     const __m256 mv = _mm256_set1_ps(m), lo = _mm256_set1_ps(-87.3f);
     __m256 z8 = _mm256_setzero_ps(), s8 = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n8; i += 8) {
-        // t >= -87.3: exp8 gives 0 below it, and 0 * t stays 0 where l = -inf
-        __m256 t = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), mv), lo);
-        __m256 e = exp8(t);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 t = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), mv), lo);
+        const __m256 e = exp8(t);
         z8 = _mm256_add_ps(z8, e);
         s8 = _mm256_fmadd_ps(e, t, s8);
     }
-    float z = hsum(z8), s = hsum(s8);
-    for (int64_t i = n8; i < n; i++) {
-        float t = l[i] - m;
-        t = t < -87.3f ? -87.3f : t;
-        float e = t <= -87.3f ? 0.0f : expf(t);
+    z = hsum(z8), s = hsum(s8);
+#endif
+    for (; i < n; i++) {
+        const float t = l[i] - m < -87.3f ? -87.3f : l[i] - m;   // 0 * t, not 0 * -inf
+        const float e = t <= -87.3f ? 0.0f : expf(t);
         z += e;
         s += e * t;
+    }
+    stats[0] = m, stats[1] = z, stats[2] = s;
+}
+
+void softmax_stats_f32(const float *l, int64_t n, float *out) {
+    float stats[SOFTMAX_SPANS][3];
+    const int64_t span = (n + SOFTMAX_SPANS - 1) / SOFTMAX_SPANS;
+#pragma omp parallel for schedule(static) if (n >= 16384)
+    for (int k = 0; k < SOFTMAX_SPANS; k++) {
+        const int64_t a = k * span < n ? k * span : n, b = a + span < n ? a + span : n;
+        softmax_span(l + a, b - a, stats[k]);
+    }
+    float m = -INFINITY, z = 0.0f, s = 0.0f;
+    for (int k = 0; k < SOFTMAX_SPANS; k++) m = stats[k][0] > m ? stats[k][0] : m;
+    for (int k = 0; k < SOFTMAX_SPANS; k++) {
+        if (stats[k][1] == 0.0f) continue;
+        const float d = stats[k][0] - m, w = expf(d);
+        z += w * stats[k][1];
+        s += w * (stats[k][2] + d * stats[k][1]);
     }
     out[0] = logf(z) - s / z;
     out[1] = 1.0f / z;
@@ -668,15 +718,40 @@ static float dot_f32(const float *a, const float *b, int64_t n) {
     return t;
 }
 
-// out[O] = sigmoid(w2 @ gelu(w1 @ x + b1) + b2), float32, on the calling thread (router_mlp.py's
+// out[O] = sigmoid(w2 @ gelu(w1 @ x + b1) + b2), float32 (router_mlp.py's
 // RouterMLP.rates: 588 -> 72 -> K; the exact, erf GELU). w1 [Hd, F], w2 [O, Hd] row-major;
 // Hd <= 1024.
 void mlp2_f32(const float *x, int64_t F, const float *w1, const float *b1, int64_t Hd, const float *w2,
               const float *b2, int64_t O, float *out) {
     float h[1024];
+    // the hidden rows over the pool's threads (each row one thread's dot: the same bits on any
+    // thread count): in a round the weights come from memory, and two cores read them faster
+#pragma omp parallel for schedule(static) if (Hd * F >= 32768)
     for (int64_t j = 0; j < Hd; j++) {
         const float v = dot_f32(w1 + j * F, x, F) + b1[j];
         h[j] = 0.5f * v * (1.0f + erff(v * 0.70710678118654752f));
     }
     for (int64_t o = 0; o < O; o++) out[o] = 1.0f / (1.0f + expf(-(dot_f32(w2 + o * Hd, h, Hd) + b2[o])));
+}
+
+// mlp2_f32 for x = [hidden, scalars] without building x outside: hidden [d] read where it lies,
+// bf16 (hidden_bf16 != 0; exact in float32) or float32, then the ns scalars: a serving round's
+// call (router_mlp.RouterMLP.rates_at), the same bits as mlp2_f32 on the concatenated row.
+void mlp2_at_f32(const void *hidden, int64_t d, int hidden_bf16, const float *scalars, int64_t ns,
+                 const float *w1, const float *b1, int64_t Hd, const float *w2, const float *b2, int64_t O,
+                 float *out) {
+    float x[d + ns];
+    if (hidden_bf16) {
+        const uint16_t *hb = hidden;
+        int64_t i = 0;
+        for (; i + 8 <= d; i += 8) _mm256_storeu_ps(x + i, load8_bf16(hb + i));
+        for (; i < d; i++) {
+            const uint32_t bits = (uint32_t)hb[i] << 16;
+            memcpy(x + i, &bits, sizeof bits);
+        }
+    } else {
+        memcpy(x, hidden, d * sizeof(float));
+    }
+    memcpy(x + d, scalars, ns * sizeof(float));
+    mlp2_f32(x, d + ns, w1, b1, Hd, w2, b2, O, out);
 }
