@@ -105,19 +105,20 @@ def test_acceptance_is_kept_per_drafter_and_situation_and_shrinks_to_the_prior()
     assert situation("eagle3", 0.1, 3) == 0
 
 
-
 def test_rates_asked_every_round_follow_every_update():
     """The routers ask for every drafter's rates every round (kept until the drafter's next
     update): asked between updates, they are those of a model that was never asked."""
     asked, fresh = AcceptanceModel(), AcceptanceModel()
     rounds = [("eagle3", 3, 4, 4), ("eagle3", 3, 4, 0), ("dflash", 1, 6, 2), ("eagle3", 0, 4, 1), ("eagle3", 3, 4, 3)]
     for drafter, where, k, accepted in rounds:
-        before = {d: asked.rates(d, w, 6) for d in ("eagle3", "dflash") for w in (0, 1, 3)}
+        before = {(d, w): asked.rates(d, w, 6) for d in ("eagle3", "dflash") for w in (0, 1, 3)}
         asked.update(drafter, where, k, accepted)
         fresh.update(drafter, where, k, accepted)
-        for (d, w) in [(d, w) for d in ("eagle3", "dflash") for w in (0, 1, 3)]:
-            assert asked.rates(d, w, 6) == fresh.rates(d, w, 6)
-        assert asked.rates(drafter, where, 6) != before[drafter]   # the update did change them
+        for d in ("eagle3", "dflash"):
+            for w in (0, 1, 3):
+                assert asked.rates(d, w, 6) == fresh.rates(d, w, 6)
+        assert asked.rates(drafter, where, 6) != before[drafter, where]   # the update did change them
+
 
 # --- the choice rule -----------------------------------------------------------------------------
 

@@ -175,17 +175,20 @@ class CostModel:
         """Seconds to catch `drafter` up on `backlog` positions and draft k tokens (0 without one)."""
         if drafter is None or k <= 0:
             return 0.0
-        catch_up = self.catch_up.get(drafter)
-        draft = self.draft.get(drafter)
-        return (catch_up(backlog) if catch_up and backlog > 0 else 0.0) + (draft(k) if draft else 0.0)
+        catch_up, a, b = self._drafting_line(drafter, backlog)
+        return catch_up + (a + b * k)
 
     def drafting_by_k(self, drafter: str, k_max: int, backlog: int) -> list[float]:
-        """[drafting(drafter, k, backlog) for k in 0..k_max] (k = 0: 0.0), with each line solved
-        once: the router prices every draft length of every drafter each round."""
+        """[drafting(drafter, k, backlog) for k in 0..k_max], the lines solved once: the router
+        prices every draft length of every drafter each round."""
+        catch_up, a, b = self._drafting_line(drafter, backlog)
+        return [0.0] + [catch_up + (a + b * k) for k in range(1, k_max + 1)]
+
+    def _drafting_line(self, drafter: str, backlog: int) -> tuple[float, float, float]:
+        """(catch-up seconds for `backlog`, a, b) with drafting k tokens = catch-up + a + b k."""
         catch_up, draft = self.catch_up.get(drafter), self.draft.get(drafter)
-        base = catch_up(backlog) if catch_up and backlog > 0 else 0.0
-        a, b = draft.coefficients() if draft else (0.0, 0.0)
-        return [0.0] + [base + (a + b * k) for k in range(1, k_max + 1)]   # drafting()'s sum, bit for bit
+        return (catch_up(backlog) if catch_up and backlog > 0 else 0.0,
+                *(draft.coefficients() if draft else (0.0, 0.0)))
 
     def round_time(self, drafter: str | None, k: int, backlog: int, verify: list[float] | None = None) -> float:
         """Expected seconds of a round; `verify` = `self.verify.estimates(...)` when the caller
