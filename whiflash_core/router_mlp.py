@@ -163,7 +163,10 @@ class RouterMLP(nn.Module):
         after the target's forward has evicted the caches, building x and checking the tensors
         measured ~350 us of the router's ~700 us at one thread)."""
         call = self._folded()[2]
-        if call is None:
+        if call is None:   # PyTorch's ops: the same ValueError as the C call's for a row of the wrong size
+            if hidden.shape != (self.cfg.hidden_size,) or len(scalars) != self.cfg.n_features - self.cfg.hidden_size:
+                raise ValueError(f"router MLP input of {tuple(hidden.shape)} + {len(scalars)} scalars, it takes "
+                                 f"({self.cfg.hidden_size},) + {self.cfg.n_features - self.cfg.hidden_size}")
             return self.rates(torch.cat([hidden.float(), torch.tensor(scalars, device=hidden.device)]))
         return self._per_drafter(call(hidden, scalars))
 
