@@ -20,7 +20,7 @@ from whiflash_core.drafters.dflash import DFlashDrafter
 from whiflash_core.drafters.eagle3 import Eagle3Drafter
 from whiflash_core.training import dflash as TD
 from whiflash_core.training import eagle3 as TE
-from whiflash_core.training.data import Example, build_draft_vocab, load_examples, plan_epoch
+from whiflash_core.training.data import Example, build_draft_vocab, load_examples, plan_epoch, repeat_sources
 from whiflash_core.training.logs import read_log
 from whiflash_core.training.loop import load_checkpoint, train
 from whiflash_core.training.distill import Sample, write_samples
@@ -175,6 +175,22 @@ def test_exclude_sources_drops_them_from_training_only(data_dir):
     kept = load_examples(data_dir, "train", 2048, exclude="tools, unknown")
     assert {e.source for e in everything} == {"chat", "tools"}
     assert [e.id for e in kept] == [e.id for e in everything if e.source == "chat"]
+
+
+def test_repeat_sources_weights_an_epoch(data_dir):
+    everything = load_examples(data_dir, "train", 2048)
+    repeated = repeat_sources(everything, "tools=3")
+    count = {src: sum(e.source == src for e in repeated) for src in ("chat", "tools")}
+    assert count == {"chat": sum(e.source == "chat" for e in everything),
+                     "tools": 3 * sum(e.source == "tools" for e in everything)}
+    plan = plan_epoch(repeated, 4096, seed=0, epoch=0)
+    assert sorted(i for b in plan for i in b) == sorted(e.id for e in repeated)
+    assert repeat_sources(everything, "") == everything
+    for bad in ("tools", "tools=0", "tools=x", "=2"):
+        with pytest.raises(ValueError, match="SOURCE=N"):
+            repeat_sources(everything, bad)
+    with pytest.raises(ValueError, match="no training samples from nowhere"):
+        repeat_sources(everything, "nowhere=2")
 
 
 # --------------------------------------------------------------------------- EAGLE-3 trainer

@@ -5,6 +5,7 @@ batches.
     load_examples()      distilled samples of every directory -> Example (prompt + response ids)
     pick_val()           a stable, source-balanced validation subset
     build_draft_vocab()  the most frequent response (assistant) tokens
+    repeat_sources()     each sample of the named sources N times (weights a kind of text)
     plan_epoch()         shuffled, then packed up to a token budget
 """
 from __future__ import annotations
@@ -110,6 +111,30 @@ def vocab_coverage(examples: list[Example], ids: torch.Tensor, vocab_size: int) 
     """Share of the response tokens that a given draft vocabulary (target ids) covers."""
     counts = response_counts(examples, vocab_size)
     return float(counts[ids].sum()) / max(int(counts.sum()), 1)
+
+
+def parse_repeats(spec: str) -> dict[str, int]:
+    """`--repeat-sources "a=2, b=3"` -> {"a": 2, "b": 3}; N is a whole number >= 1."""
+    out: dict[str, int] = {}
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        source, sep, n = item.partition("=")
+        if not sep or not source.strip() or not n.strip().isdigit() or int(n) < 1:
+            raise ValueError(f"--repeat-sources: {item!r} is not SOURCE=N with N a whole number >= 1")
+        out[source.strip()] = int(n)
+    return out
+
+
+def repeat_sources(examples: list[Example], spec: str) -> list[Example]:
+    """The examples with each sample of a source named in `spec` ("SOURCE=N,...") N times: an epoch
+    then trains N times as often on a kind of text the drafter is weak at. Order is kept (the
+    epoch's shuffle comes after); a named source with no samples is an error, not a silent no-op."""
+    repeats = parse_repeats(spec)
+    missing = sorted(set(repeats) - {e.source for e in examples})
+    if missing:
+        raise ValueError(f"--repeat-sources: no training samples from {', '.join(missing)}")
+    return [e for e in examples for _ in range(repeats.get(e.source, 1))]
 
 
 def plan_epoch(examples: list[Example], batch_tokens: int, seed: int, epoch: int) -> list[list[str]]:

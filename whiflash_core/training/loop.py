@@ -36,8 +36,8 @@ from torch import nn
 from ..cli_args import from_args, setting
 from ..machine import cpu_info
 from ..target import TargetModel
-from .data import (Example, build_draft_vocab, data_dirs, load_examples, pick_val, plan_epoch, step_generator,
-                   vocab_coverage)
+from .data import (Example, build_draft_vocab, data_dirs, load_examples, parse_repeats, pick_val, plan_epoch,
+                   repeat_sources, step_generator, vocab_coverage)
 from .features import FeatureStore
 from .init_from import InitDrafter, load_init, totals
 from .logs import MetricsLog, plot_log, read_log
@@ -85,6 +85,8 @@ class TrainSettings:
                              "fp32 here)", flag="--no-autocast")
     exclude_sources: str = setting("", "comma-separated sources to leave out of the train split (e.g. CC BY-NC "
                                    "data for weights that ship); the val split stays whole")
+    repeat_sources: str = setting("", "comma-separated SOURCE=N: each sample of SOURCE comes N times an epoch "
+                                  "(weights a kind of text the drafter is weak at)")
     stop_at: int | None = setting(None, "tests: leave after this step without a final save (a 'kill')", hidden=True)
 
     @classmethod
@@ -285,6 +287,16 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
           quiet: bool = False) -> dict[str, Any]:
     """Train (or resume) one drafter; returns a summary. `target` may be passed in (tests)."""
     torch.set_num_threads(s.threads)
+    try:
+        parse_repeats(s.repeat_sources)  # a malformed spec fails before the target loads
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
+
+    def epoch_plan(examples: list[Example], epoch: int) -> list[list[str]]:
+        try:
+            return plan_epoch(repeat_sources(examples, s.repeat_sources), s.batch_tokens, s.seed, epoch)
+        except ValueError as e:  # a --repeat-sources source with no samples
+            raise SystemExit(str(e)) from None
     os.makedirs(s.out, exist_ok=True)
     ckpt_path = os.path.join(s.out, f"{name}.ckpt.pt")
     log_path = os.path.join(s.out, f"{name}.log.jsonl")
@@ -338,7 +350,7 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
     else:
         if init is not None:
             task.load_state_dict(init.state)
-        pos = _Position(0, 0, 0, plan_epoch(train_set, s.batch_tokens, s.seed, 0))
+        pos = _Position(0, 0, 0, epoch_plan(train_set, 0))
         wall0 = 0.0
         machines = []
     # the CPUs this run has trained on, for the model card (a run resumes across sessions and machines)
@@ -371,7 +383,8 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
         hours = (wall0 + time.time() - t_start) / 3600
         task.export(export_dir, {"whiflash_training": {
             "step": pos.step, "data": [os.path.abspath(d) for d in data_dirs(s.data)],
-            "exclude_sources": s.exclude_sources, "train_sequences": len(train_set),
+            "exclude_sources": s.exclude_sources, "repeat_sources": s.repeat_sources,
+            "train_sequences": len(train_set),
             "draft_vocab_coverage": round(coverage, 4), "last_val": last_val,
             **totals(prior, pos.step, pos.tokens, hours)}})
 
@@ -386,7 +399,7 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
                 pos.epoch, pos.batch_i = pos.epoch + 1, 0
                 train_set = load_examples(s.data, "train", s.max_len, s.exclude_sources)
                 by_id = {e.id: e for e in train_set}
-                pos.plan = plan_epoch(train_set, s.batch_tokens, s.seed, pos.epoch)
+                pos.plan = epoch_plan(train_set, pos.epoch)
             batch = [by_id[i] for i in pos.plan[pos.batch_i]]
             pos.batch_i += 1
             loss, gnorm = _train_step(task, opt, params, store, batch, s, pos.step, window.counts)

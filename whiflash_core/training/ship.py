@@ -62,6 +62,7 @@ def lineage_lines(prior: dict[str, Any] | None, ckpt: dict[str, Any]) -> list[st
              f"of `{prior['init_from']}`; the earlier runs, oldest first:"]
     for i, r in enumerate(prior["lineage"], 1):
         excluded = f", excluding {r['exclude_sources']}" if r.get("exclude_sources") else ""
+        excluded += f", repeating {r['repeat_sources']}" if r.get("repeat_sources") else ""
         lines.append(f"  {i}. {r['steps']:,} steps, {r['tokens']:,} tokens, {r['hours']:.2f} h on "
                      f"{', '.join(f'`{_dir_name(d)}`' for d in r['data'])}{excluded}"
                      + (f" (from `{r['init_from']}`)" if r.get("init_from") else ""))
@@ -169,6 +170,7 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
               f"{', '.join(f'`{d}`' for d in data_dirs(s['data']))}, made by `whiflash train distill`). "
               "Spec-Bench was never used."
               + (f" Left out for licence reasons: {', '.join(sorted(excluded))}." if excluded else "")
+              + (f" Repeated within an epoch (SOURCE=times): {s['repeat_sources']}." if s.get("repeat_sources") else "")
               + (" Earlier runs' data: see the lineage above." if prior else ""), "",
               "| source | licence | data | samples | response tokens |", "|---|---|---|---:|---:|", *rows, ""]
     lines += ["## Acceptance on Spec-Bench", ""]
