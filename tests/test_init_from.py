@@ -225,3 +225,26 @@ def test_loading_a_float32_copy_of_a_drafter_leaves_a_bf16_target_alone(tmp_path
         assert target.embed_tokens.weight.dtype == target.lm_head.weight.dtype == torch.bfloat16, name
         ids = torch.arange(5)
         target(ids, target.new_cache(8))  # still runs in bf16
+
+
+def test_repeated_sources_are_on_the_card_and_in_the_lineage(target, first_dir, tmp_path):
+    """--repeat-sources changes what a run trained on: its card says so, and so does the lineage of
+    a run continued from its weights. A source with no samples stops the run before any step."""
+    source = load_examples(first_dir, "train", 2048)[0].source
+    run1 = tmp_path / "run1"
+    train(TE.build_task, "eagle3", eagle_settings(first_dir, run1, steps=2, repeat_sources=f"{source}=2"),
+          target=target, quiet=True)
+    shipped = Path(ship(str(run1), "eagle3", str(tmp_path / "models"), None))
+    assert f"Repeated within an epoch (SOURCE=times): {source}=2." in (shipped / "README.md").read_text()
+
+    run2 = tmp_path / "run2"
+    train(TE.build_task, "eagle3", eagle_settings(first_dir, run2, steps=1, init_from=str(shipped)),
+          target=target, quiet=True)
+    assert training_block(run2 / "eagle3")["lineage"][0]["repeat_sources"] == f"{source}=2"
+    card = (Path(ship(str(run2), "eagle3", str(tmp_path / "models2"), None)) / "README.md").read_text()
+    assert f", repeating {source}=2" in card and "Repeated within an epoch" not in card
+
+    with pytest.raises(SystemExit, match="no training samples from nowhere"):
+        train(TE.build_task, "eagle3", eagle_settings(first_dir, tmp_path / "run3", steps=1,
+                                                      repeat_sources="nowhere=2"), target=target, quiet=True)
+    assert not (tmp_path / "run3" / "eagle3.ckpt.pt").exists()

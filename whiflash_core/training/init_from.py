@@ -86,8 +86,8 @@ def history(path: str, raw: dict[str, Any]) -> dict[str, Any]:
 def run_entry(info: dict[str, Any]) -> dict[str, Any]:
     """One run's lineage entry from the whiflash_training block its export wrote."""
     return {"data": _as_list(info["data"]), "exclude_sources": info.get("exclude_sources", ""),
-            "repeat_sources": info.get("repeat_sources", ""), "steps": info["step"], "tokens": info["tokens"], "hours": info["wall_hours"],
-            "init_from": info.get("init_from")}
+            "repeat_sources": info.get("repeat_sources", ""), "steps": info["step"], "tokens": info["tokens"],
+            "hours": info["wall_hours"], "init_from": info.get("init_from")}
 
 
 def _as_list(data: str | list[str]) -> list[str]:

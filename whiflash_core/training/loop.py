@@ -297,6 +297,7 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
             return plan_epoch(repeat_sources(examples, s.repeat_sources), s.batch_tokens, s.seed, epoch)
         except ValueError as e:  # a --repeat-sources source with no samples
             raise SystemExit(str(e)) from None
+
     os.makedirs(s.out, exist_ok=True)
     ckpt_path = os.path.join(s.out, f"{name}.ckpt.pt")
     log_path = os.path.join(s.out, f"{name}.log.jsonl")

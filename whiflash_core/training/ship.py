@@ -61,10 +61,10 @@ def lineage_lines(prior: dict[str, Any] | None, ckpt: dict[str, Any]) -> list[st
              f"{t['cumulative_tokens']:,} tokens, {t['cumulative_hours']:.2f} h. This run continued the weights "
              f"of `{prior['init_from']}`; the earlier runs, oldest first:"]
     for i, r in enumerate(prior["lineage"], 1):
-        excluded = f", excluding {r['exclude_sources']}" if r.get("exclude_sources") else ""
-        excluded += f", repeating {r['repeat_sources']}" if r.get("repeat_sources") else ""
+        filters = f", excluding {r['exclude_sources']}" if r.get("exclude_sources") else ""
+        filters += f", repeating {r['repeat_sources']}" if r.get("repeat_sources") else ""
         lines.append(f"  {i}. {r['steps']:,} steps, {r['tokens']:,} tokens, {r['hours']:.2f} h on "
-                     f"{', '.join(f'`{_dir_name(d)}`' for d in r['data'])}{excluded}"
+                     f"{', '.join(f'`{_dir_name(d)}`' for d in r['data'])}{filters}"
                      + (f" (from `{r['init_from']}`)" if r.get("init_from") else ""))
     return lines
 
