@@ -17,6 +17,8 @@ accept/commit) by wrapping those functions; `--profile FILE` writes a torch.prof
 extra N-stream run.
 
 The repetitions interleave the stream counts (1, 8, 1, 8, ...); take min or median over them.
+`--ab-prefix-reads` runs each count twice a repetition, with requests that share a cached prefix
+reading it once for all (the engine's way) and each from its own cache, and reports the ratio.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.agent_replay import SYSTEM, TOOLS  # noqa: E402
 from bench.load import CITIES, FOLLOW_UPS, tool_result  # noqa: E402
+from whiflash_core import layer_stack  # noqa: E402
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
 from whiflash_core.engine import GenerationRequest, SpeculationConfig  # noqa: E402
@@ -186,6 +189,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=24)
     ap.add_argument("--breakdown", action="store_true")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one N-stream run here")
+    ap.add_argument("--ab-prefix-reads", action="store_true",
+                    help="also run each stream count with every request reading its cached prefix from its own "
+                         "cache (layer_stack.shared_prefixes off), interleaved: what reading a shared prefix once gains")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -200,19 +206,30 @@ def main() -> None:
     rounds = {n: args.rounds or max(40, 480 // n) for n in args.streams}
     run(engine, requests, max(args.streams), 4)   # warm-up: kernels, grammar, prefix cache
     runs = []
+    shared_prefixes = layer_stack.shared_prefixes
+    variants = ["shared", "own"] if args.ab_prefix_reads else ["shared"]
     for rep in range(args.reps):
         for n in args.streams:
-            spent.clear()
-            r = run(engine, requests, n, rounds[n])
-            r["rep"] = rep
-            if args.breakdown:
-                r["breakdown_ms_per_pass"] = {k: round(1000 * v / r["rounds"], 3) for k, v in spent.items()}
-            runs.append(r)
-            print(json.dumps(r), flush=True)
+            for prefix_reads in variants:
+                layer_stack.shared_prefixes = shared_prefixes if prefix_reads == "shared" else (lambda segments: None)
+                spent.clear()
+                r = run(engine, requests, n, rounds[n])
+                r["rep"] = rep
+                if args.ab_prefix_reads:
+                    r["prefix_reads"] = prefix_reads
+                if args.breakdown:
+                    r["breakdown_ms_per_pass"] = {k: round(1000 * v / r["rounds"], 3) for k, v in spent.items()}
+                runs.append(r)
+                print(json.dumps(r), flush=True)
+    layer_stack.shared_prefixes = shared_prefixes
     summary = {}
     for n in args.streams:
-        rates = [r["tokens_per_cpu_s"] for r in runs if r["streams"] == n]
+        rates = [r["tokens_per_cpu_s"] for r in runs if r["streams"] == n and r.get("prefix_reads", "shared") == "shared"]
         summary[n] = {"median_tokens_per_cpu_s": round(statistics.median(rates), 3), "max": max(rates)}
+        if args.ab_prefix_reads:
+            own = [r["tokens_per_cpu_s"] for r in runs if r["streams"] == n and r["prefix_reads"] == "own"]
+            summary[n]["own_prefix_reads_median"] = round(statistics.median(own), 3)
+            summary[n]["shared_over_own"] = round(summary[n]["median_tokens_per_cpu_s"] / statistics.median(own), 3)
     base = args.streams[0]
     for n in args.streams[1:]:
         summary[n]["median_vs_%d" % base] = round(summary[n]["median_tokens_per_cpu_s"]

@@ -159,3 +159,59 @@ def test_softmax_stats_of_a_mostly_masked_row_and_on_any_thread_count():
     entropy, top1 = one[1]
     assert entropy == pytest.approx(float(-(p * p.log()).sum()), rel=1e-5)
     assert top1 == pytest.approx(float(p.max()), rel=1e-6)
+
+
+def _segments_case(rows: list[int], starts: list[int], lead: list[int], shared: list[int], nh: int = 9, nkv: int = 3,
+                   hd: int = 64):
+    """Random q/k/v rows and caches for attend_segments: segment s's cache holds its lead's first
+    shared[s] keys and values (as two requests that copied one prefix-cache entry)."""
+    torch.manual_seed(sum(rows) + len(rows))
+    caches = [(torch.randn(nkv, st + 40, hd).bfloat16(), torch.randn(nkv, st + 40, hd).bfloat16()) for st in starts]
+    for s, (head, n) in enumerate(zip(lead, shared)):
+        if head != s:
+            caches[s][0][:, :n] = caches[head][0][:, :n]
+            caches[s][1][:, :n] = caches[head][1][:, :n]
+    t = sum(rows)
+    return (torch.randn(t, (nh + 2 * nkv) * hd).bfloat16(), torch.randn(t, hd).bfloat16(),
+            torch.randn(t, hd).bfloat16(), caches)
+
+
+def _attend_alone(qkv, cos, sin, rows, starts, caches, nh=9, nkv=3):
+    outs, r = [], 0
+    for n, st, (k, v) in zip(rows, starts, caches):
+        outs.append(decode_ops.attend_rows(qkv[r:r + n], cos[r:r + n], sin[r:r + n], k, v, st, nh, nkv))
+        r += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("rows,starts,lead,shared", [
+    ([1, 1, 1], [700, 650, 800], [0, 0, 0], [640, 640, 640]),            # decode rows sharing 10 chunks
+    ([1, 2, 4, 1], [700, 650, 800, 300], [0, 0, 0, 3], [640, 576, 640, 0]),   # 4 rows attend in lanes
+    ([3, 1, 1, 2], [130, 200, 64, 90], [0, 0, 2, 2], [128, 128, 64, 64]),   # two groups
+    ([1, 1], [63, 100], [0, 1], [0, 0]),                                  # nothing shared
+])
+def test_attention_of_requests_sharing_a_prefix_is_each_request_s_alone(rows, starts, lead, shared):
+    """attend_segments reads a shared prefix once for every request of it, and each request gets the
+    bits of its own attend_rows call (caches included)."""
+    qkv, cos, sin, caches = _segments_case(rows, starts, lead, shared)
+    alone_caches = [(k.clone(), v.clone()) for k, v in caches]
+    ref = _attend_alone(qkv, cos, sin, rows, starts, alone_caches)
+    got = decode_ops.attend_segments(qkv, cos, sin, [(n, st, k, v) for n, st, (k, v) in zip(rows, starts, caches)],
+                                     lead, shared, 9, 3)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    for (k, v), (rk, rv) in zip(caches, alone_caches):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_a_shared_prefix_is_read_from_the_lead_s_cache():
+    """The shared chunks really come from the lead: with the follower's own copy spoilt, its output
+    is what it would be with the lead's keys, not with its own."""
+    rows, starts, lead, shared = [1, 1], [300, 280], [0, 0], [256, 256]
+    qkv, cos, sin, caches = _segments_case(rows, starts, lead, shared)
+    good = [(k.clone(), v.clone()) for k, v in caches]
+    caches[1][0][:, :256].mul_(-1.0)   # the follower's copy of the prefix, spoilt
+    spoilt = [(k.clone(), v.clone()) for k, v in caches]
+    got = decode_ops.attend_segments(qkv, cos, sin, [(n, st, k, v) for n, st, (k, v) in zip(rows, starts, caches)],
+                                     lead, shared, 9, 3)
+    assert torch.equal(got, _attend_alone(qkv, cos, sin, rows, starts, good))
+    assert not torch.equal(got, _attend_alone(qkv, cos, sin, rows, starts, spoilt))

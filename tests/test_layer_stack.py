@@ -150,3 +150,43 @@ def test_an_eagle3_chain_step_with_native_ops_is_the_module_step(weights):
     assert torch.equal(got[2][:, :, :n], ref[2][:, :, :n])
     assert decode_ops.use_for(drafter) and drafter.layers[0].self_attn.native_ops and drafter.layers[0].mlp.native_ops
     assert (drafter.layers[0].native_layer(0) is not None) == (weights == "q4_1")
+
+
+def test_requests_of_one_cached_prefix_share_its_reads_and_keep_their_bits(monkeypatch):
+    """Caches that copied one prefix-cache entry are of its lineage (KVCache.lineage): the stack
+    reads the prefix they share once (attend_segments), and each request's forward is the bits of
+    the forward without sharing. A cache of its own lineage shares nothing."""
+    from whiflash_core.prefix_cache import PrefixCache
+
+    model = q4_1_target()
+    prefix = torch.randint(0, 512, (140,))
+    store = PrefixCache(64 * 2**20)
+    first = model.new_cache(200)
+    model(prefix, first)
+    store.store("", (), prefix, first.k, first.v, None, lineage=(first.lineage, first.lineage_len))
+    caches = []
+    for tail in (5, 9, 0):
+        cache = model.new_cache(200)
+        hit = store.lookup("", ((),), prefix, limit=140)
+        m = hit.length   # 128: whole blocks
+        cache.k[:, :, :m], cache.v[:, :, :m] = hit.entry.k[:, :, :m], hit.entry.v[:, :, :m]
+        cache.length, cache.lineage, cache.lineage_len = m, hit.entry.lineage, min(hit.entry.lineage_len, m)
+        model(torch.randint(0, 512, (tail + 12,)), cache)
+        caches.append(cache)
+    stranger = model.new_cache(200)
+    model(torch.randint(0, 512, (150,)), stranger)
+    caches = [first, *caches, stranger]
+    rows = [torch.randint(0, 512, (n,)) for n in (1, 1, 2, 4, 1)]
+
+    seen = []
+    real = layer_stack.shared_prefixes
+    monkeypatch.setattr(layer_stack, "shared_prefixes", lambda segments: seen.append(real(segments)) or seen[-1])
+    shared_caches = copy.deepcopy(caches)   # one copy of the list: the lineages stay shared
+    got = model.forward_many(rows, shared_caches, TAPS)
+    assert seen == [([0, 0, 0, 0, 4], [128, 128, 128, 128, 0])]
+    monkeypatch.setattr(layer_stack, "shared_prefixes", lambda segments: None)
+    alone_caches = copy.deepcopy(caches)
+    ref = model.forward_many(rows, alone_caches, TAPS)
+    for r, g, rc, gc in zip(ref, got, alone_caches, shared_caches):
+        assert torch.equal(g.logits, r.logits) and torch.equal(g.taps, r.taps)
+        assert torch.equal(gc.k, rc.k) and torch.equal(gc.v, rc.v)

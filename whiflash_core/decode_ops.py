@@ -23,6 +23,9 @@ SOURCE = Path(__file__).parent / "kernels" / "decode_ops.c"
 # kernels, 16 rows 35.6 -> 27.7 / 75.4 -> 65.1 ms, where at 8 they left the layer stack; 1-8 rows
 # the same. Long prompt-lookup drafts (up to 15 tokens) verify here.
 MAX_ATTENTION_ROWS = 16
+# keys per attention task in kernels/decode_ops.c (its CHUNK): requests share a cached prefix's
+# K/V reads in whole chunks (attend_segments)
+ATTENTION_CHUNK = 64
 
 
 @functools.cache
@@ -37,6 +40,8 @@ def _library() -> ctypes.CDLL | None:
     lib.silu_mul_bf16.restype = None
     lib.attend_rows_bf16.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, p]
     lib.attend_rows_bf16.restype = ctypes.c_int
+    lib.attend_segments_bf16.argtypes = [p, p, p, i64, p, p, p, p, p, p, p, i64, i64, i64, p]
+    lib.attend_segments_bf16.restype = ctypes.c_int
     lib.softmax_stats_f32.argtypes = [p, i64, p]
     lib.softmax_stats_f32.restype = None
     lib.mlp2_f32.argtypes = [p, i64, p, p, i64, p, p, i64, p]
@@ -87,6 +92,35 @@ def attend_rows(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache
                                    v_cache.data_ptr(), k_cache.shape[1], start, t, n_heads, n_kv_heads, hd,
                                    out.data_ptr()) != 0:
         raise MemoryError(f"attention scratch for {t} rows over {start + t} keys could not be allocated")
+    return out
+
+
+def int64s(values) -> ctypes.Array:
+    """A C array of int64 (a ctypes argument)."""
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def pointers(values) -> ctypes.Array:
+    """A C array of addresses (a ctypes argument)."""
+    return (ctypes.c_void_p * len(values))(*values)
+
+
+def attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    segments: list[tuple[int, int, torch.Tensor, torch.Tensor]], lead: list[int], shared: list[int],
+                    n_heads: int, n_kv_heads: int) -> torch.Tensor:
+    """`attend_rows` for the rows of several requests in one call: segments (rows, start, k_cache,
+    v_cache) in row order, each cache one layer's [nkv, capacity, hd]; segment s's first shared[s]
+    keys (whole ATTENTION_CHUNKs) are those of segment lead[s]'s cache bit for bit, and are read
+    from there once for all that share them. The same bits as an attend_rows call per segment."""
+    hd = segments[0][2].shape[-1]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty(qkv.shape[0], n_heads * hd, dtype=qkv.dtype)
+    if _library().attend_segments_bf16(
+            qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), len(segments), int64s([s[0] for s in segments]),
+            int64s([s[1] for s in segments]), int64s([s[2].shape[1] for s in segments]),
+            pointers([s[2].data_ptr() for s in segments]), pointers([s[3].data_ptr() for s in segments]),
+            int64s(lead), int64s(shared), n_heads, n_kv_heads, hd, out.data_ptr()) != 0:
+        raise MemoryError(f"attention scratch for {qkv.shape[0]} rows of {n} requests could not be allocated")
     return out
 
 

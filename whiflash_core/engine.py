@@ -364,6 +364,7 @@ class Generation:
         self.cache.k[:, :, :m] = entry.k[:, :, :m]
         self.cache.v[:, :, :m] = entry.v[:, :, :m]
         self.cache.length = m
+        self.cache.lineage, self.cache.lineage_len = entry.lineage, min(entry.lineage_len, m)
         if self.tap_layers:
             self.taps[:m] = entry.taps[:m]
         # the drafters' caches over the prefix, as far as the prefix determines them
@@ -387,7 +388,8 @@ class Generation:
             drafters = {name: (state.cache.k, state.cache.v, state.n_seen) for name, state in self.states.items()
                         if state.cache is not None and state.n_seen > 0}
             cache.store(self.request.cache_namespace, self.tap_layers, self.ids[:n], self.cache.k, self.cache.v,
-                        self.taps[:n] if self.tap_layers else None, drafters)
+                        self.taps[:n] if self.tap_layers else None, drafters,
+                        (self.cache.lineage, self.cache.lineage_len))
 
     def step(self) -> Round | None:
         """One speculation round (None once finished)."""

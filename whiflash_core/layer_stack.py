@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import decode_ops, native, q4_1_kernel
+from .decode_ops import int64s, pointers
 
 SOURCE = Path(__file__).parent / "kernels" / "layers.c"
 WEIGHTS_PER_LAYER = 14   # kernels/layers.c's enum: norm, qkv (qw, dw, mw), o, norm, gate_up, down
@@ -32,26 +33,18 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.layers_use.argtypes = [p, p, p, p]
+    lib.layers_use.argtypes = [p, p, p, p, p]
     lib.layers_use.restype = None
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
     lib.layers_use(address(kernels.q4_1_matmul), address(ops.rms_norm_bf16), address(ops.silu_mul_bf16),
-                   address(ops.attend_rows_bf16))
+                   address(ops.attend_rows_bf16), address(ops.attend_segments_bf16))
     lib.layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, i64,
-                                p, p, p, p, p, p, i64, p]
+                                p, p, p, p, p, p, p, p, i64, p]
     lib.layers_bf16.restype = ctypes.c_int
     lib.draft_layer_bf16.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, i64,
                                      p, p, p, p, p]
     lib.draft_layer_bf16.restype = ctypes.c_int
     return lib
-
-
-def _int64s(values) -> ctypes.Array:
-    return (ctypes.c_int64 * len(values))(*values)
-
-
-def _pointers(values) -> ctypes.Array:
-    return (ctypes.c_void_p * len(values))(*values)
 
 
 def _segment_args(segments: list[tuple[int, int, object]]) -> tuple:
@@ -60,9 +53,35 @@ def _segment_args(segments: list[tuple[int, int, object]]) -> tuple:
     caches = [c for _, _, c in segments]
     if any(not (c.k.is_contiguous() and c.v.is_contiguous()) for c in caches):
         raise ValueError("the layer stack needs contiguous KV caches")
-    return (len(segments), _int64s([r for r, _, _ in segments]), _int64s([st for _, st, _ in segments]),
-            _int64s([c.capacity for c in caches]), _pointers([c.k.data_ptr() for c in caches]),
-            _pointers([c.v.data_ptr() for c in caches]))
+    return (len(segments), int64s([r for r, _, _ in segments]), int64s([st for _, st, _ in segments]),
+            int64s([c.capacity for c in caches]), pointers([c.k.data_ptr() for c in caches]),
+            pointers([c.v.data_ptr() for c in caches]))
+
+
+def shared_prefixes(segments: list[tuple[int, int, object]]) -> tuple[list[int], list[int]] | None:
+    """Which segments (rows, start, KVCache) begin with the same K/V bits, for kernels/decode_ops.c's
+    attend_segments_bf16: caches of one `KVCache.lineage` (copied from one prefix-cache entry) agree
+    below both lineage_lens. Per segment: its lead (the first segment of its lineage) and how many
+    keys it shares with it, in whole attention chunks before either's new rows (a lead: the most
+    any of its followers shares). None when no two segments share a chunk."""
+    chunk = decode_ops.ATTENTION_CHUNK
+    lead, shared, first = [], [], {}
+    for s, (_, start, cache) in enumerate(segments):
+        head = first.setdefault(id(cache.lineage), s)
+        lead.append(head)
+        shared.append(0)
+        if head != s:
+            _, head_start, head_cache = segments[head]
+            n = min(cache.lineage_len, head_cache.lineage_len, start, head_start) // chunk * chunk
+            shared[s] = n
+            shared[head] = max(shared[head], n)
+    return (lead, shared) if any(shared) else None
+
+
+def _sharing_args(segments: list[tuple[int, int, object]]) -> tuple:
+    """layers_bf16's lead and shared arrays (NULL, NULL where no segments share a prefix)."""
+    sharing = shared_prefixes(segments) if len(segments) > 1 else None
+    return (None, None) if sharing is None else (int64s(sharing[0]), int64s(sharing[1]))
 
 
 class LayerStack:
@@ -78,7 +97,7 @@ class LayerStack:
             attn, mlp = layer.self_attn, layer.mlp
             self.tensors += [layer.input_layernorm.weight, *_blocks(attn.qkv_proj), *_blocks(attn.o_proj),
                              layer.post_attention_layernorm.weight, *_blocks(mlp.gate_up_proj), *_blocks(mlp.down_proj)]
-        self.weights = _pointers([t.data_ptr() for t in self.tensors])
+        self.weights = pointers([t.data_ptr() for t in self.tensors])
         self.max_rows, self.max_total_rows = max_rows, max_total_rows
         self.first_norm = model.layers[0].input_layernorm.weight.data_ptr()
 
@@ -128,7 +147,7 @@ class LayerStack:
         status = _library().layers_bf16(
             self.weights, cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
             cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, x.data_ptr(), T, cos.data_ptr(), sin.data_ptr(),
-            *_segment_args(segments), _int64s(list(taps)), len(taps),
+            *_segment_args(segments), *_sharing_args(segments), int64s(list(taps)), len(taps),
             None if tap_tensor is None else tap_tensor.data_ptr())
         if status != 0:
             raise MemoryError(f"the layer stack could not allocate scratch for {T} rows")
@@ -153,7 +172,7 @@ class DraftLayer:
         # INPUT_NORM is not read by draft_layer_bf16: the post-attention norm's weight stands in
         self.tensors = [layer.post_attention_layernorm.weight, *_blocks(qkv), *_blocks(attn.o_proj),
                         layer.post_attention_layernorm.weight, *_blocks(gate_up), *_blocks(layer.mlp.down_proj)]
-        self.weights = _pointers([t.data_ptr() for t in self.tensors])
+        self.weights = pointers([t.data_ptr() for t in self.tensors])
 
     @classmethod
     def build(cls, layer, index: int) -> "DraftLayer | None":

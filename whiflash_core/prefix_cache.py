@@ -49,6 +49,10 @@ class Entry:
     drafters: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     keys: list[int] = field(default_factory=list)   # block keys that point at this entry
     nbytes: int = 0
+    # the KVCache.lineage of the K/V and the length they are of it (a request that copies them
+    # takes both: its prefix is then known to be these bits)
+    lineage: object = field(default_factory=object)
+    lineage_len: int = 0
 
     def measure(self) -> int:
         tensors = [self.ids, self.k, self.v, self.taps, *(t for kv in self.drafters.values() for t in kv)]
@@ -130,9 +134,11 @@ class PrefixCache:
 
     def store(self, namespace: str, taps: tuple[int, ...], ids: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               tap_states: torch.Tensor | None,
-              drafters: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = None) -> None:
+              drafters: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = None,
+              lineage: tuple[object, int] | None = None) -> None:
         """Keep positions 0..n-1 (whole blocks) of a sequence: ids [n'], k/v [layers, kv_heads, >=n', head_dim];
-        `drafters`: name -> (k, v, s), a drafter's cache, valid at positions < s."""
+        `drafters`: name -> (k, v, s), a drafter's cache, valid at positions < s; `lineage`: the
+        (KVCache.lineage, lineage_len) of k/v (default: a lineage of their own)."""
         n = (ids.shape[0] // self.block) * self.block
         if not self.enabled or n == 0:
             return
@@ -154,6 +160,10 @@ class PrefixCache:
                 return
         entry = Entry(ids[:n].clone(), k[:, :, :n].clone(), v[:, :, :n].clone(),
                       None if tap_states is None else tap_states[:n].clone(), drafter_kv)
+        if lineage is not None:
+            entry.lineage, entry.lineage_len = lineage[0], min(lineage[1], n)
+        else:
+            entry.lineage_len = n
         if entry.measure() > self.budget:
             return
         with self._lock:

@@ -68,6 +68,12 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.length = 0
+        # Whose bits its K/V are: its own (a new lineage) until it copies a prefix-cache entry's
+        # positions 0..m-1, which makes them the entry's lineage up to m. Two caches of one lineage
+        # hold the same K/V at positions below both lineage_lens (verified positions never change),
+        # which lets requests read a shared prefix once (layer_stack.shared_prefixes).
+        self.lineage: object = object()
+        self.lineage_len: int = 1 << 62
 
     @property
     def capacity(self) -> int:

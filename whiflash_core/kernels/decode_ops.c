@@ -528,25 +528,13 @@ static int attend_lanes(const uint16_t *q, const uint16_t *kc, const uint16_t *v
 }
 #endif
 
-// For t new rows at positions start..start+t-1 (their q/k/v projections stacked, qkv bf16
-// [t, (nh + 2 nkv) hd]: q heads, k heads, v heads): rotate q and k (cos, sin bf16 [t, hd], the
-// rows' own positions), write k and v into the layer's cache (k, v bf16 [nkv, cap, hd]) at
-// start.., and attend causally: row i's query heads over keys 0..start+i of their kv head
-// (head h reads kv head h / (nh / nkv)), scale 1/sqrt(hd), softmax in float32. out bf16 [t, nh hd].
-//
-// Split as flash-decoding splits it: a task is one kv head and a chunk of CHUNK keys; for each of
-// its queries (every row, every head of the group) it leaves a partial softmax (max m, sum l of
-// e^(s - m), and acc = sum e^(s - m) v); the partials of a query merge at the end:
-//     out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,   M = max_c m_c.
-// Returns 0, or -1 if the scratch could not be allocated.
-int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc,
-                     int64_t cap, int64_t start, int64_t t, int64_t nh, int64_t nkv, int64_t hd, uint16_t *out) {
-    const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv, end = start + t;
-    const int64_t chunks = (end + CHUNK - 1) / CHUNK, nq = t * group;  // queries per kv head
-    const int64_t part = hd + 2;                                      // acc[hd], m, l
-    uint16_t *q = malloc(t * nh * hd * sizeof(uint16_t));
-    if (q == NULL) return -1;
-    for (int64_t i = 0; i < t; i++) {  // rotary, and the new keys and values into the cache
+// The rotary and cache append of attend_rows_bf16 (below): q [t, nh, hd] receives the rotated
+// queries; the rotated keys and the values go into the layer's cache at positions start..start+t-1.
+static void rotate_and_append(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *kc,
+                              uint16_t *vc, int64_t cap, int64_t start, int64_t t, int64_t nh, int64_t nkv,
+                              int64_t hd, uint16_t *q) {
+    const int64_t width = (nh + 2 * nkv) * hd;
+    for (int64_t i = 0; i < t; i++) {
         const uint16_t *row = qkv + i * width, *c = cos + i * hd, *s = sin + i * hd;
         for (int64_t h = 0; h < nh; h++) rope(row + h * hd, c, s, hd, q + (i * nh + h) * hd);
         for (int64_t h = 0; h < nkv; h++) {
@@ -556,43 +544,47 @@ int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
             for (int64_t d = 0; d < hd; d++) dst[d] = v[d];
         }
     }
+}
+
+// Does a call with nq queries per kv head take the lanes path (attend_lanes)?
+static inline int takes_lanes(int64_t nq) {
 #if defined(__AVX512F__)
-    if (nq >= LANES_FROM) {
-        const int status = attend_lanes(q, kc, vc, cap, start, t, nh, nkv, hd, out);
-        free(q);
-        return status;
+    return nq >= LANES_FROM;
+#else
+    (void)nq;
+    return 0;
+#endif
+}
+
+// One task of attend_rows_bf16's other paths: kv head g, keys [j0, j0 + nk) of the cache kc, vc
+// (capacity cap), the partial softmax of each of the nq queries of q into parts.
+static void attend_task(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, int64_t cap, float *parts,
+                        int64_t g, int64_t c, int64_t j0, int64_t nk, int64_t chunks, int64_t start, int64_t nq,
+                        int64_t group, int64_t nh, int64_t hd, float scale) {
+#if defined(__AVX512F__)
+    if (hd % (DOT_BF16 ? 32 : 16) == 0 && nq <= FEW_QUERIES) {
+        if (hd == 64) attend_few_task(4, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
+        else if (hd == 128) attend_few_task(8, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
+        else attend_few_task(hd / 16, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
+        return;
     }
 #endif
-    float *parts = malloc(nkv * chunks * nq * part * sizeof(float));
-    if (parts == NULL) {
-        free(q);
-        return -1;
-    }
-    const float scale = 1.0f / sqrtf((float)hd);
-#pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
-    for (int64_t task = 0; task < nkv * chunks; task++) {
-        const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
-        const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
-#if defined(__AVX512F__)
-        if (hd % (DOT_BF16 ? 32 : 16) == 0 && nq <= FEW_QUERIES) {
-            if (hd == 64) attend_few_task(4, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
-            else if (hd == 128) attend_few_task(8, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
-            else attend_few_task(hd / 16, q, kc, vc, parts, g, c, j0, nk, chunks, start, cap, nq, group, nh, scale);
-            continue;
+    float kf[CHUNK * hd], vf[CHUNK * hd];  // hd <= 256: at most 128 KB of stack
+    for (int64_t j = 0; j < nk; j++)
+        for (int64_t d = 0; d < hd; d += 8) {
+            _mm256_storeu_ps(kf + j * hd + d, load8_bf16(kc + (g * cap + j0 + j) * hd + d));
+            _mm256_storeu_ps(vf + j * hd + d, load8_bf16(vc + (g * cap + j0 + j) * hd + d));
         }
-#endif
-        float kf[CHUNK * hd], vf[CHUNK * hd];  // hd <= 256: at most 128 KB of stack
-        for (int64_t j = 0; j < nk; j++)
-            for (int64_t d = 0; d < hd; d += 8) {
-                _mm256_storeu_ps(kf + j * hd + d, load8_bf16(kc + (g * cap + j0 + j) * hd + d));
-                _mm256_storeu_ps(vf + j * hd + d, load8_bf16(vc + (g * cap + j0 + j) * hd + d));
-            }
-        if (hd == 64) attend_chunk(8, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
-        else if (hd == 128) attend_chunk(16, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
-        else attend_chunk(hd / 8, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
-    }
-    const int64_t vecs = hd / 8;
-    for (int64_t g = 0; g < nkv; g++)  // merge each query's partials
+    if (hd == 64) attend_chunk(8, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
+    else if (hd == 128) attend_chunk(16, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
+    else attend_chunk(hd / 8, q, kf, vf, parts, g, c, j0, nk, chunks, start, nq, group, nh, scale);
+}
+
+// Merge each query's partials (attend_task's) into out bf16 [t, nh hd].
+static void merge_parts(const float *parts, int64_t nkv, int64_t chunks, int64_t nq, int64_t group, int64_t nh,
+                        int64_t hd, uint16_t *out) {
+    const int64_t vecs = hd / 8, part = hd + 2;
+    for (int64_t g = 0; g < nkv; g++)
         for (int64_t qi = 0; qi < nq; qi++) {
             const int64_t i = qi / group, h = g * group + qi % group;
             float mx = -INFINITY;
@@ -613,9 +605,149 @@ int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *s
             const __m256 inv = _mm256_set1_ps(1.0f / l);
             for (int64_t d = 0; d < vecs; d++) store8_bf16(out + (i * nh + h) * hd + 8 * d, _mm256_mul_ps(acc[d], inv));
         }
+}
+
+// For t new rows at positions start..start+t-1 (their q/k/v projections stacked, qkv bf16
+// [t, (nh + 2 nkv) hd]: q heads, k heads, v heads): rotate q and k (cos, sin bf16 [t, hd], the
+// rows' own positions), write k and v into the layer's cache (k, v bf16 [nkv, cap, hd]) at
+// start.., and attend causally: row i's query heads over keys 0..start+i of their kv head
+// (head h reads kv head h / (nh / nkv)), scale 1/sqrt(hd), softmax in float32. out bf16 [t, nh hd].
+//
+// Split as flash-decoding splits it: a task is one kv head and a chunk of CHUNK keys; for each of
+// its queries (every row, every head of the group) it leaves a partial softmax (max m, sum l of
+// e^(s - m), and acc = sum e^(s - m) v); the partials of a query merge at the end:
+//     out = sum_c e^(m_c - M) acc_c / sum_c e^(m_c - M) l_c,   M = max_c m_c.
+// Returns 0, or -1 if the scratch could not be allocated.
+int attend_rows_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc,
+                     int64_t cap, int64_t start, int64_t t, int64_t nh, int64_t nkv, int64_t hd, uint16_t *out) {
+    const int64_t group = nh / nkv, end = start + t;
+    const int64_t chunks = (end + CHUNK - 1) / CHUNK, nq = t * group;  // queries per kv head
+    const int64_t part = hd + 2;                                      // acc[hd], m, l
+    uint16_t *q = malloc(t * nh * hd * sizeof(uint16_t));
+    if (q == NULL) return -1;
+    rotate_and_append(qkv, cos, sin, kc, vc, cap, start, t, nh, nkv, hd, q);
+#if defined(__AVX512F__)
+    if (takes_lanes(nq)) {
+        const int status = attend_lanes(q, kc, vc, cap, start, t, nh, nkv, hd, out);
+        free(q);
+        return status;
+    }
+#endif
+    float *parts = malloc(nkv * chunks * nq * part * sizeof(float));
+    if (parts == NULL) {
+        free(q);
+        return -1;
+    }
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
+    for (int64_t task = 0; task < nkv * chunks; task++) {
+        const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
+        const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
+        attend_task(q, kc, vc, cap, parts, g, c, j0, nk, chunks, start, nq, group, nh, hd, scale);
+    }
+    merge_parts(parts, nkv, chunks, nq, group, nh, hd, out);
     free(q);
     free(parts);
     return 0;
+}
+
+// attend_rows_bf16 for the rows of several requests in one layer ("segments" s = 0..nseg-1: rows[s]
+// rows at positions start[s].., the layer's caches kc[s], vc[s] [nkv, cap[s], hd]; qkv and out hold
+// the segments' rows one after another), where requests share a cached prefix: segment s's first
+// shared[s] keys (a multiple of CHUNK, at most start[s]) are bit for bit those of segment lead[s]'s
+// cache (both copied them from one prefix-cache entry; lead[s] = s and shared[s] = 0 where none).
+//
+// Why: over a long cached context one query row's attention waits on memory more than it computes
+// (SmolLM2, 1k keys: ~39 us a layer with the layer's K/V in L2, ~100 us inside a forward of
+// several requests, whose 30 layers' caches do not fit there). Agent requests mostly share their
+// system prompt and tools; here each shared chunk is read from the lead's cache for every segment
+// that shares it, one segment after another, so it comes from memory once. A segment's queries go
+// through attend_task with the same arguments as in its own attend_rows_bf16 call (a chunk's keys
+// are the same bits in either cache) and merge the same way: the output is the same bits as a call
+// per segment. Segments that attend in lanes (nq >= LANES_FROM) make their own call.
+// Returns 0, or -1 if scratch could not be allocated.
+int attend_segments_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, int64_t nseg,
+                         const int64_t *rows, const int64_t *start, const int64_t *cap, uint16_t *const *kc,
+                         uint16_t *const *vc, const int64_t *lead, const int64_t *shared, int64_t nh, int64_t nkv,
+                         int64_t hd, uint16_t *out) {
+    const int64_t width = (nh + 2 * nkv) * hd, group = nh / nkv, part = hd + 2;
+    int64_t first[nseg], chunks[nseg], own_from[nseg], parts_at[nseg + 1], q_at[nseg + 1];
+    int64_t ntasks = 0, nshared = 0;   // own tasks (segment, g, chunk); shared tasks (lead, g, chunk)
+    int status = 0;
+    parts_at[0] = q_at[0] = 0;
+    for (int64_t s = 0, r = 0; s < nseg; r += rows[s], s++) {
+        const int64_t nq = rows[s] * group, lanes = takes_lanes(nq);
+        first[s] = r;
+        chunks[s] = (start[s] + rows[s] + CHUNK - 1) / CHUNK;
+        own_from[s] = lanes ? 0 : shared[s] / CHUNK;   // chunks below this: read in the shared tasks
+        parts_at[s + 1] = parts_at[s] + (lanes ? 0 : nkv * chunks[s] * nq * part);
+        q_at[s + 1] = q_at[s] + rows[s] * nh * hd;
+        if (!lanes) ntasks += nkv * (chunks[s] - own_from[s]);
+    }
+    for (int64_t s = 0; s < nseg; s++)   // a lead's shared chunks: as far as its followers share
+        if (lead[s] == s) {
+            int64_t n = 0;
+            for (int64_t f = 0; f < nseg; f++)
+                if (lead[f] == s && own_from[f] > n) n = own_from[f];
+            nshared += nkv * n;
+        }
+    uint16_t *q = malloc(q_at[nseg] * sizeof(uint16_t));
+    float *parts = malloc((parts_at[nseg] > 0 ? parts_at[nseg] : 1) * sizeof(float));
+    int64_t *task = malloc(3 * (ntasks + nshared + 1) * sizeof(int64_t));
+    if (q == NULL || parts == NULL || task == NULL) {
+        free(q);
+        free(parts);
+        free(task);
+        return -1;
+    }
+    for (int64_t s = 0; s < nseg; s++)
+        rotate_and_append(qkv + first[s] * width, cos + first[s] * hd, sin + first[s] * hd, kc[s], vc[s], cap[s],
+                          start[s], rows[s], nh, nkv, hd, q + q_at[s]);
+    int64_t n = 0;
+    for (int64_t s = 0; s < nseg; s++) {   // shared tasks first: (lead, g, c) for each chunk its group shares
+        if (lead[s] != s) continue;
+        int64_t reach = 0;
+        for (int64_t f = 0; f < nseg; f++)
+            if (lead[f] == s && own_from[f] > reach) reach = own_from[f];
+        for (int64_t g = 0; g < nkv; g++)
+            for (int64_t c = 0; c < reach; c++, n++) task[3 * n] = s, task[3 * n + 1] = g, task[3 * n + 2] = c;
+    }
+    for (int64_t s = 0; s < nseg; s++) {   // then each segment's own chunks
+        if (takes_lanes(rows[s] * group)) continue;
+        for (int64_t g = 0; g < nkv; g++)
+            for (int64_t c = own_from[s]; c < chunks[s]; c++, n++)
+                task[3 * n] = nseg + s, task[3 * n + 1] = g, task[3 * n + 2] = c;
+    }
+    const float scale = 1.0f / sqrtf((float)hd);
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t who = task[3 * i], g = task[3 * i + 1], c = task[3 * i + 2], j0 = c * CHUNK;
+        if (who < nseg) {   // chunk c of lead `who`'s cache, for every segment that shares it
+            for (int64_t s = 0; s < nseg; s++)
+                if (lead[s] == who && c < own_from[s])
+                    attend_task(q + q_at[s], kc[who], vc[who], cap[who], parts + parts_at[s], g, c, j0, CHUNK,
+                                chunks[s], start[s], rows[s] * group, group, nh, hd, scale);
+        } else {
+            const int64_t s = who - nseg, end = start[s] + rows[s];
+            const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
+            attend_task(q + q_at[s], kc[s], vc[s], cap[s], parts + parts_at[s], g, c, j0, nk, chunks[s], start[s],
+                        rows[s] * group, group, nh, hd, scale);
+        }
+    }
+    for (int64_t s = 0; s < nseg; s++) {
+        uint16_t *o = out + first[s] * nh * hd;
+#if defined(__AVX512F__)
+        if (takes_lanes(rows[s] * group)) {
+            status |= attend_lanes(q + q_at[s], kc[s], vc[s], cap[s], start[s], rows[s], nh, nkv, hd, o);
+            continue;
+        }
+#endif
+        merge_parts(parts + parts_at[s], nkv, chunks[s], rows[s] * group, group, nh, hd, o);
+    }
+    free(q);
+    free(parts);
+    free(task);
+    return status == 0 ? 0 : -1;
 }
 
 // ------------------------------------------------------------------ the router's softmax statistics

@@ -31,17 +31,23 @@ typedef void (*norm_fn)(const uint16_t *x, const uint16_t *w, float eps, int64_t
 typedef void (*silu_fn)(const uint16_t *gu, int64_t M, int64_t H, uint16_t *y);
 typedef int (*attend_fn)(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, uint16_t *kc, uint16_t *vc,
                          int64_t cap, int64_t start, int64_t t, int64_t nh, int64_t nkv, int64_t hd, uint16_t *out);
+typedef int (*attend_segments_fn)(const uint16_t *qkv, const uint16_t *cos, const uint16_t *sin, int64_t nseg,
+                                  const int64_t *rows, const int64_t *start, const int64_t *cap, uint16_t *const *kc,
+                                  uint16_t *const *vc, const int64_t *lead, const int64_t *shared, int64_t nh,
+                                  int64_t nkv, int64_t hd, uint16_t *out);
 
 static matmul_fn matmul;
 static norm_fn rms_norm;
 static silu_fn silu_mul;
 static attend_fn attend;
+static attend_segments_fn attend_segments;
 
-void layers_use(void *mm, void *norm, void *silu, void *att) {
+void layers_use(void *mm, void *norm, void *silu, void *att, void *att_segments) {
     matmul = (matmul_fn)mm;
     rms_norm = (norm_fn)norm;
     silu_mul = (silu_fn)silu;
     attend = (attend_fn)att;
+    attend_segments = (attend_segments_fn)att_segments;
 }
 
 // A layer's weights: pointers in this order, WEIGHTS_PER_LAYER of them per layer (layer_stack.py
@@ -73,14 +79,23 @@ static int one_layer(const void *const *lw, int64_t l, const uint16_t *attn_in, 
                      int64_t I, int64_t nh, int64_t nkv, int64_t hd, float eps, uint16_t *x, int64_t T,
                      const uint16_t *cos, const uint16_t *sin, int64_t nseg, const int64_t *rows,
                      const int64_t *start, const int64_t *cap, uint16_t *const *kc, uint16_t *const *vc,
-                     uint16_t *xn, uint16_t *wide, uint16_t *mid, uint16_t *back) {
+                     const int64_t *lead, const int64_t *shared, uint16_t *xn, uint16_t *wide, uint16_t *mid,
+                     uint16_t *back) {
     const int64_t width = (nh + 2 * nkv) * hd;   // q, k, v heads stacked (qkv_proj's rows)
     int status = matmul(attn_in, 1, T, in_dim, lw[QKV_QW], lw[QKV_DW], lw[QKV_MW], width, wide, 1);
-    for (int64_t s = 0, r = 0; s < nseg && status == 0; r += rows[s], s++) {
-        const int64_t layer = l * nkv * cap[s] * hd;
-        status |= attend(wide + r * width, cos + r * hd, sin + r * hd, kc[s] + layer, vc[s] + layer, cap[s],
-                         start[s], rows[s], nh, nkv, hd, mid + r * nh * hd);
-    }
+    if (status == 0 && lead != NULL && nseg > 1) {   // requests sharing a cached prefix: see attend_segments_bf16
+        uint16_t *kl[nseg], *vl[nseg];   // each segment's caches of layer l
+        for (int64_t s = 0; s < nseg; s++) {
+            kl[s] = kc[s] + l * nkv * cap[s] * hd;
+            vl[s] = vc[s] + l * nkv * cap[s] * hd;
+        }
+        status |= attend_segments(wide, cos, sin, nseg, rows, start, cap, kl, vl, lead, shared, nh, nkv, hd, mid);
+    } else
+        for (int64_t s = 0, r = 0; s < nseg && status == 0; r += rows[s], s++) {
+            const int64_t layer = l * nkv * cap[s] * hd;
+            status |= attend(wide + r * width, cos + r * hd, sin + r * hd, kc[s] + layer, vc[s] + layer, cap[s],
+                             start[s], rows[s], nh, nkv, hd, mid + r * nh * hd);
+        }
     status |= matmul(mid, 1, T, nh * hd, lw[O_QW], lw[O_DW], lw[O_MW], H, back, 1);
     add_bf16(x, back, T * H);
     rms_norm(x, lw[POST_NORM], eps, T, H, xn);
@@ -111,13 +126,15 @@ static void release(Scratch *s) {
 
 // x [T, H] bf16, T the rows of all segments; cos, sin [T, hd] bf16 (each row's position);
 // segment s: rows[s] rows at positions start[s].., its caches kc[s], vc[s] [L, nkv, cap[s], hd] bf16;
+// lead, shared (or NULL): the cached prefixes segments share, as attend_segments_bf16 takes them;
 // taps [T, ntaps, H] bf16 receives, for each j with 0 <= tap_layers[j] < L, the stream entering
 // that layer (other j are left alone: the caller fills the final-norm tap).
 // Returns 0, or -1 if scratch memory could not be allocated (x is then partly updated).
 int layers_bf16(const void *const *w, int64_t L, int64_t H, int64_t I, int64_t nh, int64_t nkv, int64_t hd,
                 float eps, uint16_t *x, int64_t T, const uint16_t *cos, const uint16_t *sin, int64_t nseg,
                 const int64_t *rows, const int64_t *start, const int64_t *cap, uint16_t *const *kc,
-                uint16_t *const *vc, const int64_t *tap_layers, int64_t ntaps, uint16_t *taps) {
+                uint16_t *const *vc, const int64_t *lead, const int64_t *shared, const int64_t *tap_layers,
+                int64_t ntaps, uint16_t *taps) {
     Scratch s;
     int status = scratch(&s, T, H, H, I, nh, nkv, hd);
     for (int64_t l = 0; l < L && status == 0; l++) {
@@ -127,7 +144,7 @@ int layers_bf16(const void *const *w, int64_t L, int64_t H, int64_t I, int64_t n
                 for (int64_t r = 0; r < T; r++) memcpy(taps + (r * ntaps + j) * H, x + r * H, H * sizeof(uint16_t));
         rms_norm(x, lw[INPUT_NORM], eps, T, H, s.xn);
         status = one_layer(lw, l, s.xn, H, H, I, nh, nkv, hd, eps, x, T, cos, sin, nseg, rows, start, cap, kc, vc,
-                           s.xn, s.wide, s.mid, s.back);
+                           lead, shared, s.xn, s.wide, s.mid, s.back);
     }
     release(&s);
     return status == 0 ? 0 : -1;
@@ -144,7 +161,7 @@ int draft_layer_bf16(const void *const *lw, int64_t l, const uint16_t *attn_in, 
     int status = scratch(&s, T, in_dim, H, I, nh, nkv, hd);
     if (status == 0)
         status = one_layer(lw, l, attn_in, in_dim, H, I, nh, nkv, hd, eps, x, T, cos, sin, nseg, rows, start, cap,
-                           kc, vc, s.xn, s.wide, s.mid, s.back);
+                           kc, vc, NULL, NULL, s.xn, s.wide, s.mid, s.back);
     release(&s);
     return status == 0 ? 0 : -1;
 }
