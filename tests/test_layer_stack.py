@@ -43,10 +43,11 @@ def q4_1_target(cfg: TargetConfig = CFG, dense_from_rows: int = 10**9) -> Target
 def run(model: TargetModel, prompt: torch.Tensor, rows: torch.Tensor, stack: bool):
     """(output, the new rows' K/V) of a forward of `rows` after `prompt`, with or without the stack."""
     saved = model.layer_stack
-    model.layer_stack = saved if stack else None
+    model.layer_stack = None   # the prompt by the module forward either way (the stack would chunk it)
     try:
         cache = model.new_cache(prompt.shape[0] + rows.shape[0])
         model(prompt, cache)
+        model.layer_stack = saved if stack else None
         out = model(rows, cache, TAPS)
         n = prompt.shape[0]
         return out, cache.k[:, :, n:].clone(), cache.v[:, :, n:].clone()
@@ -73,11 +74,12 @@ def test_shared_forwards_through_the_stack_are_the_module_s():
 
     def forward_many(stack: bool):
         saved = model.layer_stack
-        model.layer_stack = saved if stack else None
+        model.layer_stack = None   # the prompts by the module forward either way
         try:
             caches = [model.new_cache(80) for _ in prompts]
             for p, c in zip(prompts, caches):
                 model(p, c)
+            model.layer_stack = saved if stack else None
             return model.forward_many(rows, caches, TAPS), caches
         finally:
             model.layer_stack = saved
@@ -94,10 +96,15 @@ def test_the_stack_is_used_only_where_it_applies(monkeypatch):
     real_run = layer_stack.LayerStack.run
     monkeypatch.setattr(layer_stack.LayerStack, "run", lambda self, *a: calls.append(a[0].shape[0]) or real_run(self, *a))
     cache = model.new_cache(64)
-    model(torch.randint(0, 512, (20,)), cache)   # a prefill: more rows than C attention takes
+    model(torch.randint(0, 512, (20,)), cache)   # more rows than C attention takes: in chunks
     model(torch.randint(0, 512, (8,)), cache)
     model(torch.randint(0, 512, (1,)), cache)
-    assert calls == [8, 1]
+    assert calls == [16, 4, 8, 1]
+    # from the linears' dense_from_rows on, the module forward (the dense copies), not the stack
+    calls.clear()
+    dense_from_8 = q4_1_target(dense_from_rows=8)
+    dense_from_8(torch.randint(0, 512, (20,)), dense_from_8.new_cache(64))
+    assert calls == []
     # a copy has other tensors: it runs its modules (and still computes the same)
     twin = copy.deepcopy(model)
     assert twin.layer_stack is None
@@ -190,3 +197,38 @@ def test_requests_of_one_cached_prefix_share_its_reads_and_keep_their_bits(monke
     for r, g, rc, gc in zip(ref, got, alone_caches, shared_caches):
         assert torch.equal(g.logits, r.logits) and torch.equal(g.taps, r.taps)
         assert torch.equal(gc.k, rc.k) and torch.equal(gc.v, rc.v)
+
+
+@pytest.mark.parametrize("t,logits_from", [(17, 0), (40, 39), (40, 10)])
+def test_more_rows_than_the_stack_takes_run_through_it_in_chunks(monkeypatch, t, logits_from):
+    """Below the linears' dense copies, a forward of more rows than the stack takes runs as stack
+    forwards of its most rows each: the bits of those forwards one after another, logits from
+    `logits_from` on, and the module forward's values to within bf16 rounding."""
+    model = q4_1_target()
+    calls = []
+    real_run = layer_stack.LayerStack.run
+    monkeypatch.setattr(layer_stack.LayerStack, "run", lambda self, *a: calls.append(a[0].shape[0]) or real_run(self, *a))
+    prompt, rows = torch.randint(0, 512, (30,)), torch.randint(0, 512, (t,))
+    size = model.layer_stack.max_rows
+
+    def prefilled():
+        cache = model.new_cache(30 + t)
+        model(prompt, cache)
+        return cache
+
+    cache = prefilled()
+    calls.clear()
+    got = model(rows, cache, TAPS, logits_from=logits_from)
+    assert calls == [min(size, t - a) for a in range(0, t, size)]
+    assert got.logits.shape == (t - logits_from, 512) and got.taps.shape[0] == got.last_hidden.shape[0] == t
+    by_hand = prefilled()   # each chunk's LM head over its rows from logits_from on
+    parts = [model(rows[a:a + size], by_hand, TAPS, logits_from=min(max(logits_from - a, 0), size))
+             for a in range(0, t, size)]
+    assert torch.equal(got.logits, torch.cat([p.logits for p in parts]))
+    assert torch.equal(got.taps, torch.cat([p.taps for p in parts])) and torch.equal(cache.k, by_hand.k)
+    saved, model.layer_stack = model.layer_stack, None   # the module forward, all rows at once
+    try:
+        module = model(rows, prefilled(), TAPS, logits_from=logits_from)
+    finally:
+        model.layer_stack = saved
+    assert torch.allclose(got.logits, module.logits, atol=0.1, rtol=0.05)

@@ -49,7 +49,11 @@ VERIFY_ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)  # the router's verify-cost ta
 SHARED_ROWS = (2, 4, 8, 12, 16, 20, 24, 28, 32, 40, 48, 64)
 SHARED_SEGMENT_ROWS = 4
 PREFILL_ROWS = (8, 16, 24, 32, 64, 128)
-LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well before 64 rows
+LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well before 64 rows...
+# ...except q4_1, whose forwards past the layer stack's rows run as chunks through it
+# (TargetModel._forward_in_chunks): timed at every prefill row count, it may keep the prefill of an
+# agent turn's new tokens (tens of rows) where a dense GEMM would cost more
+CHUNKED_FORMATS = ("q4_1",)
 WARMUP_FORWARDS = 20  # untimed one-row forwards before the verify table (a cold process runs slow)
 CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (verify_table)
 # cached positions the format timings attend to: an agent conversation's length (system prompt, tool
@@ -60,7 +64,7 @@ CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (ve
 FORMATS_CONTEXT = 1024
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8", "amx_tile",
              "fma", "f16c", "asimd", "sve", "bf16")
-CACHE_VERSION = 10
+CACHE_VERSION = 11
 VERIFY_CACHE_VERSION = 6
 # A forward's time only grows with its rows, so a table where fewer rows cost clearly more than
 # more rows was timed while other work ran (seen: a verify table cached beside a training job read
@@ -229,7 +233,8 @@ def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5,
     run of each rather than every run of one candidate.
     """
     n = min(cfg.num_layers, 8)
-    rows_of = {c: DECODE_ROWS + (PREFILL_ROWS if c[1] == "dense" else LIGHT_PREFILL_ROWS) for c in candidates}
+    rows_of = {c: DECODE_ROWS + (PREFILL_ROWS if c[1] == "dense" or c[1] in CHUNKED_FORMATS else LIGHT_PREFILL_ROWS)
+               for c in candidates}
     timers = {(c, layers): _Timer(_random_model(cfg, layers, getattr(torch, c[0]), c[1]))
               for c in candidates for layers in (0, n)}
     for dtype in sorted({c[0] for c in candidates if c[1] != "dense"}):

@@ -264,11 +264,37 @@ class TargetModel(nn.Module):
         stack = self._stack(x, [t])
         if stack is not None:
             h, tap_tensor = self._run_stack(stack, x, cos, sin, [(t, start, cache)], taps)
+        elif self._chunks_through_stack(x):
+            return self._forward_in_chunks(tokens, cache, taps, logits_from)
         else:
             mask = attention_mask(t, start, self.cfg.num_heads, self.cfg.num_kv_heads, self.dtype, tokens.device)
             h, tap_tensor = self.run_layers(x, cos, sin, cache.k, cache.v, start, mask, taps)
         cache.length = start + t
-        return TargetOutput(logits=self.logits(h[logits_from:]), taps=tap_tensor, last_hidden=h)
+        logits = self.logits(h[logits_from:]) if logits_from < t else h.new_zeros(0, self.cfg.vocab_size, dtype=torch.float32)
+        return TargetOutput(logits=logits, taps=tap_tensor, last_hidden=h)
+
+    def _chunks_through_stack(self, x: torch.Tensor) -> bool:
+        """Too many rows for the layer stack, but fewer than where the linears switch to their dense
+        copies: the module forward would run the same Q4_1 kernels with Python and SDPA between them
+        (a prefill of the few new tokens of an agent turn, a long prompt-lookup verify). Consecutive
+        forwards of at most the stack's rows run those kernels from C instead: measured on an AMD EPYC
+        (Zen 4, one thread, 700 cached positions) 17 rows 57.9 -> 42.3 ms, 31 rows 92.7 -> 66 ms."""
+        stack = self.layer_stack
+        return (stack is not None and stack.current(self) and x.shape[0] <= stack.max_total_rows
+                and stack.takes(x[:stack.max_rows], [stack.max_rows]))
+
+    def _forward_in_chunks(self, tokens: torch.Tensor, cache: KVCache, taps: tuple[int, ...],
+                           logits_from: int) -> TargetOutput:
+        """forward() as consecutive forwards of the layer stack's most rows each: a chunk attends
+        to the chunks before it through the cache, as the rows of one forward attend to the earlier
+        ones, so the output is the same function of the tokens (up to bf16 rounding of the shapes)."""
+        size, t, outs = self.layer_stack.max_rows, tokens.shape[0], []
+        for a in range(0, t, size):
+            b = min(a + size, t)
+            outs.append(self.forward(tokens[a:b], cache, taps, logits_from=min(max(logits_from - a, 0), b - a)))
+        return TargetOutput(logits=torch.cat([o.logits for o in outs]),
+                            taps=torch.cat([o.taps for o in outs]) if taps else None,
+                            last_hidden=torch.cat([o.last_hidden for o in outs]))
 
     @torch.inference_mode()
     def forward_many(self, tokens: list[torch.Tensor], caches: list[KVCache],
