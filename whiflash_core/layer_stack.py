@@ -128,8 +128,17 @@ class LayerStack:
         return self.model_id == id(model) and model.layers[0].input_layernorm.weight.data_ptr() == self.first_norm
 
     def takes(self, x: torch.Tensor, rows: list[int]) -> bool:
-        return (x.dtype == torch.bfloat16 and x.device.type == "cpu" and max(rows) <= self.max_rows
-                and sum(rows) <= self.max_total_rows)
+        """Does one call take x's rows, `rows` a request (segment)?"""
+        return self.takes_activations(x.dtype, x.device) and max(rows) <= self.max_rows and sum(rows) <= self.max_total_rows
+
+    def takes_in_chunks(self, dtype: torch.dtype, device: torch.device, rows: int) -> bool:
+        """Too many rows for one call, but fewer than where the linears switch to their dense copies:
+        the rows of one request as consecutive calls of max_rows each (TargetModel._forward_in_chunks)."""
+        return self.takes_activations(dtype, device) and self.max_rows < rows <= self.max_total_rows
+
+    @staticmethod
+    def takes_activations(dtype: torch.dtype, device: torch.device) -> bool:
+        return dtype == torch.bfloat16 and device.type == "cpu"
 
     def __deepcopy__(self, memo):   # a copied model has other tensors: it runs its modules
         return None
