@@ -215,3 +215,25 @@ def test_a_shared_prefix_is_read_from_the_lead_s_cache():
                                      lead, shared, 9, 3)
     assert torch.equal(got, _attend_alone(qkv, cos, sin, rows, starts, good))
     assert not torch.equal(got, _attend_alone(qkv, cos, sin, rows, starts, spoilt))
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 49152, 8), (5, 1000, 8), (3, 37, 5), (2, 8, 8)])
+def test_topk_indices_are_torch_topk_s(rows, n, k):
+    """The LM head's candidates: the k largest of each row, largest first (torch.topk's)."""
+    torch.manual_seed(n + k)
+    x = torch.randn(rows, n) * 4
+    x[0, n // 2] = float("-inf")
+    got = decode_ops.topk_indices(x, k)
+    ref = x.topk(k, dim=-1)
+    assert torch.equal(got, ref.indices)   # distinct random values: one answer
+    assert torch.equal(x.gather(1, got), ref.values)
+
+
+def test_topk_ties_rank_by_the_lower_index():
+    x = torch.zeros(2, 100)
+    x[0, [7, 3, 90]] = 5.0                    # three tied largest, then zeros tied for the rest
+    x[1, 50:] = float("-inf")
+    got = decode_ops.topk_indices(x, 6)
+    assert got[0].tolist() == [3, 7, 90, 0, 1, 2]
+    assert got[1].tolist() == [0, 1, 2, 3, 4, 5]
+    assert decode_ops.topk_indices(x.double(), 6) is None and decode_ops.topk_indices(x, 0) is None

@@ -44,6 +44,8 @@ def _library() -> ctypes.CDLL | None:
     lib.attend_segments_bf16.restype = ctypes.c_int
     lib.softmax_stats_f32.argtypes = [p, i64, p]
     lib.softmax_stats_f32.restype = None
+    lib.topk_rows_f32.argtypes = [p, i64, i64, i64, p]
+    lib.topk_rows_f32.restype = None
     lib.mlp2_f32.argtypes = [p, i64, p, p, i64, p, p, i64, p]
     lib.mlp2_f32.restype = None
     lib.mlp2_at_f32.argtypes = [p, i64, ctypes.c_int, p, i64, p, p, i64, p, p, i64, p]
@@ -140,6 +142,23 @@ def softmax_stats(logits: torch.Tensor) -> tuple[float, float] | None:
     out = _STATS()
     lib.softmax_stats_f32(logits.data_ptr(), logits.shape[0], out)
     return out[0], out[1]
+
+
+MAX_TOPK = 64   # topk_rows_f32 keeps the k largest on its stack
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
+    """The indices [rows, k] of the k largest values of each row of a float32 CPU matrix, largest
+    first, equal values by the lower index (torch.topk's set, with a fixed rule for ties), in one C
+    pass a row; None where the C ops are not built or do not take x (the caller uses torch.topk)."""
+    lib = _library()
+    if (lib is None or x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() != 2
+            or not 0 < k <= min(MAX_TOPK, x.shape[1])):
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], k, dtype=torch.long)
+    lib.topk_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr())
+    return out
 
 
 MAX_MLP_WIDTH = 1024   # mlp2_f32's hidden layer lives on its stack

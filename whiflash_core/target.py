@@ -396,7 +396,9 @@ class TargetModel(nn.Module):
         exact_head = isinstance(self.lm_head, nn.Linear) and self.dtype in (torch.float32, torch.float64)
         if exact_head or self.refine_top <= 0:  # a light (int8) head needs the refinement in float32 too
             return logits
-        top = logits.topk(self.refine_top, dim=-1).indices           # [rows, k]
+        top = decode_ops.topk_indices(logits, self.refine_top)       # [rows, k]
+        if top is None:
+            top = logits.topk(self.refine_top, dim=-1).indices
         w = self.lm_head.weight[top].float()                         # [rows, k, hidden]
         exact = torch.einsum("rkh,rh->rk", w, h.float())
         return logits.scatter(-1, top, exact)
