@@ -237,3 +237,17 @@ def test_topk_ties_rank_by_the_lower_index():
     assert got[0].tolist() == [3, 7, 90, 0, 1, 2]
     assert got[1].tolist() == [0, 1, 2, 3, 4, 5]
     assert decode_ops.topk_indices(x.double(), 6) is None and decode_ops.topk_indices(x, 0) is None
+
+
+def test_argmax_rows_is_torch_argmax_ties_nans_and_all():
+    torch.manual_seed(0)
+    x = torch.randn(6, 49152)
+    x[1, [300, 9000]] = 50.0                      # a tie: the first
+    x[2, [70, 40000]] = float("nan")              # NaNs: the first NaN
+    x[3] = float("-inf")                          # masked out entirely
+    x[4, :100] = float("-inf")
+    x[5, 49151] = 99.0                            # past the last whole vector
+    assert decode_ops.argmax_rows(x) == x.argmax(-1).tolist()
+    small = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 1.0, float("nan")]])
+    assert decode_ops.argmax_rows(small) == small.argmax(-1).tolist() == [1, 0]
+    assert decode_ops.argmax_rows(x.double()) is None

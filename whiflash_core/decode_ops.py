@@ -46,6 +46,8 @@ def _library() -> ctypes.CDLL | None:
     lib.softmax_stats_f32.restype = None
     lib.topk_rows_f32.argtypes = [p, i64, i64, i64, p]
     lib.topk_rows_f32.restype = None
+    lib.argmax_rows_f32.argtypes = [p, i64, i64, p]
+    lib.argmax_rows_f32.restype = None
     lib.mlp2_f32.argtypes = [p, i64, p, p, i64, p, p, i64, p]
     lib.mlp2_f32.restype = None
     lib.mlp2_at_f32.argtypes = [p, i64, ctypes.c_int, p, i64, p, p, i64, p, p, i64, p]
@@ -159,6 +161,18 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], k, dtype=torch.long)
     lib.topk_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr())
     return out
+
+
+def argmax_rows(x: torch.Tensor) -> list[int] | None:
+    """torch.argmax(x, -1).tolist() of a float32 CPU matrix (the first largest value; the first NaN
+    where a row has one) in one C call, or None where the C ops are not built or do not take x."""
+    lib = _library()
+    if lib is None or x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
+        return None
+    x = x.contiguous()
+    out = (ctypes.c_int64 * x.shape[0])()
+    lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], out)
+    return list(out)
 
 
 MAX_MLP_WIDTH = 1024   # mlp2_f32's hidden layer lives on its stack
