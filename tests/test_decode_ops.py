@@ -251,3 +251,22 @@ def test_argmax_rows_is_torch_argmax_ties_nans_and_all():
     small = torch.tensor([[1.0, 3.0, 3.0], [float("nan"), 1.0, float("nan")]])
     assert decode_ops.argmax_rows(small) == small.argmax(-1).tolist() == [1, 0]
     assert decode_ops.argmax_rows(x.double()) is None
+
+
+def test_refining_the_top_logits_in_c_is_pytorch_s_refinement():
+    """TargetModel.logits' refinement: the k largest of each row become their float32 dot products,
+    everything else stays as the light head computed it."""
+    torch.manual_seed(1)
+    rows, V, H, k = 5, 3000, 64, 8
+    h, w = torch.randn(rows, H).bfloat16(), (torch.randn(V, H) * 0.1).bfloat16()
+    coarse = (h @ w.T).float()           # a bf16 product: the coarse logits
+    top = coarse.topk(k, dim=-1).indices
+    ref = coarse.scatter(-1, top, torch.einsum("rkh,rh->rk", w[top].float(), h.float()))
+    got = coarse.clone()
+    assert decode_ops.refine_top(got, h, w, k)
+    changed = got != coarse
+    assert changed.sum(-1).le(k).all() and changed.any()
+    assert torch.equal(got.masked_fill(torch.zeros_like(got, dtype=torch.bool).scatter(-1, top, True), 0.0),
+                       coarse.masked_fill(torch.zeros_like(got, dtype=torch.bool).scatter(-1, top, True), 0.0))
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert not decode_ops.refine_top(coarse.clone(), h.float(), w, k)   # float32 hidden states: PyTorch's ops

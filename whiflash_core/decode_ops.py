@@ -48,6 +48,8 @@ def _library() -> ctypes.CDLL | None:
     lib.topk_rows_f32.restype = None
     lib.argmax_rows_f32.argtypes = [p, i64, i64, p]
     lib.argmax_rows_f32.restype = None
+    lib.refine_top_f32.argtypes = [p, i64, i64, p, p, i64, i64]
+    lib.refine_top_f32.restype = None
     lib.mlp2_f32.argtypes = [p, i64, p, p, i64, p, p, i64, p]
     lib.mlp2_f32.restype = None
     lib.mlp2_at_f32.argtypes = [p, i64, ctypes.c_int, p, i64, p, p, i64, p, p, i64, p]
@@ -161,6 +163,23 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor | None:
     out = torch.empty(x.shape[0], k, dtype=torch.long)
     lib.topk_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], k, out.data_ptr())
     return out
+
+
+def refine_top(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: int) -> bool:
+    """TargetModel.logits' refinement in one C call, in place: each row's k largest logits [rows, V]
+    (float32) recomputed as the float32 dot products of their dense weight rows [V, H] with the
+    row's hidden state h [rows, H] (both bf16). False (nothing done) where the C ops are not built
+    or do not take these tensors."""
+    lib = _library()
+    if (lib is None or not isinstance(weight, torch.Tensor) or logits.dtype is not torch.float32 or h.dtype is not torch.bfloat16
+            or weight.dtype is not torch.bfloat16 or any(t.device.type != "cpu" or not t.is_contiguous()
+                                                          for t in (logits, h, weight))
+            or logits.dim() != 2 or h.shape != (logits.shape[0], weight.shape[1]) or weight.shape[0] != logits.shape[1]
+            or weight.shape[1] % 16 or not 0 < k <= min(MAX_TOPK, logits.shape[1])):
+        return False
+    lib.refine_top_f32(logits.data_ptr(), logits.shape[0], logits.shape[1], h.data_ptr(), weight.data_ptr(),
+                       weight.shape[1], k)
+    return True
 
 
 def argmax_rows(x: torch.Tensor) -> list[int] | None:

@@ -396,6 +396,8 @@ class TargetModel(nn.Module):
         exact_head = isinstance(self.lm_head, nn.Linear) and self.dtype in (torch.float32, torch.float64)
         if exact_head or self.refine_top <= 0:  # a light (int8) head needs the refinement in float32 too
             return logits
+        if decode_ops.refine_top(logits, h, self.lm_head.weight, self.refine_top):   # the same, in one C call
+            return logits
         top = decode_ops.topk_indices(logits, self.refine_top)       # [rows, k]
         if top is None:
             top = logits.topk(self.refine_top, dim=-1).indices
