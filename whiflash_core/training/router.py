@@ -59,9 +59,10 @@ from .distill import load_distilled
 class RouterSettings:
     """`whiflash train router` settings; its flags are generated from these fields (cli_args.py)."""
     out: str = setting(help="run directory: label caches, metrics.json, the trained router_mlp.safetensors")
-    data: str = setting("datasets/smollm2-distill-f32,datasets/smollm2-distill-router",
+    data: str = setting("datasets/smollm2-distill-router,datasets/smollm2-distill-router2",
                         "distilled directories (comma-separated) whose train split labels the router (the shipped "
-                        "drafters never trained on these: their labels are not inflated by memorised answers)")
+                        "drafters never trained on these: their labels are not inflated by memorised answers; "
+                        "smollm2-distill-f32, the first label set, is EAGLE-3 training data since its round two)")
     val_data: str = setting("datasets/smollm2-distill,datasets/smollm2-distill-f32,datasets/smollm2-distill-r2",
                             "distilled directories whose val split (never trained on) evaluates it")
     to: str | None = setting(None, "ship router_mlp.safetensors and its card (router_mlp.md) into this drafter "
