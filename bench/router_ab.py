@@ -1,0 +1,135 @@
+"""Two router MLPs against each other in one process: `whiflash` with router A, then B, per prompt.
+
+    .venv/bin/python bench/router_ab.py --b runs/router3 [--a models/smollm2-135m-instruct] \
+        --workload ../shared/data/bench/spec_bench.jsonl --limit 3 --threads 1 --out FILE
+
+Why one process: two `whiflash bench` runs each time their own cost model at start-up, and a cost
+table timed beside other work routes differently, so two runs differ by more than their routers.
+Here one engine (one target, one set of drafters, one measured cost model) serves every prompt
+twice, the learned policy reading router A's MLP, then B's (`Engine.router_mlp`, read when a
+request starts), in the order A B B A for every second prompt so that a drift of the machine's
+speed falls on both arms alike (after one untimed generation per arm: a process's first runs cold).
+
+Reported per category and overall, per arm: tokens, acceptance length (tokens per round), rounds
+by drafter, and tokens per second of the decode loop (prefill excluded) in wall time and in CPU
+time of this thread (`time.thread_time`, torch on --threads threads: with one thread the CPU time
+does not count what other processes on the machine take). The ratio B / A of each. Greedy; in
+bf16 the two arms may decode different tokens (a different route is a different forward shape),
+which the JSON counts as `identical` prompts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter, defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
+from whiflash_core.bench.workload import load_workload  # noqa: E402
+from whiflash_core.chat import encode_chat  # noqa: E402
+from whiflash_core.engine import GenerationRequest, SpeculationConfig  # noqa: E402
+from whiflash_core.loading import SHIPPED_DRAFTERS, load_engine, load_router_mlp  # noqa: E402
+
+
+def decode(engine, ids: list[int], max_tokens: int, alpha: float) -> dict:
+    """One greedy `whiflash` generation; the decode loop timed (wall and this thread's CPU)."""
+    g = engine.start(GenerationRequest(ids, max_tokens, speculation=SpeculationConfig("whiflash", alpha=alpha,
+                                                                                      policy="learned")))
+    g.prefill()
+    rounds: Counter = Counter()
+    wall, cpu = time.perf_counter(), time.thread_time()
+    while not g.finished:
+        r = g.step()
+        if r is None:
+            break
+        rounds[r.drafter or "plain"] += 1
+    wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+    return {"tokens": list(g.output), "rounds": dict(rounds), "wall_s": wall, "cpu_s": cpu}
+
+
+def totals(runs: list[dict]) -> dict:
+    tokens = sum(len(r["tokens"]) for r in runs)
+    rounds: Counter = Counter()
+    for r in runs:
+        rounds.update(r["rounds"])
+    n = sum(rounds.values())
+    wall, cpu = sum(r["wall_s"] for r in runs), sum(r["cpu_s"] for r in runs)
+    return {"tokens": tokens, "rounds": n, "acceptance_length": tokens / n if n else None,
+            "tps_wall": tokens / wall if wall else None, "tps_cpu": tokens / cpu if cpu else None,
+            "round_share": {k: v / n for k, v in sorted(rounds.items())} if n else {}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", default=SHIPPED_DRAFTERS, help="directory of router A's router_mlp.safetensors")
+    p.add_argument("--b", required=True, help="directory of router B's router_mlp.safetensors")
+    p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
+    p.add_argument("--workload", default="../shared/data/bench/spec_bench.jsonl")
+    p.add_argument("--limit", type=int, default=3, help="prompts per category")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--alpha", type=float, default=1.0)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--weights", default="auto")
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+
+    engine = load_engine(None, args.drafters, "bfloat16", threads=args.threads, weights=args.weights)
+    mlps = {arm: load_router_mlp(d, engine.target, engine.drafters) for arm, d in (("a", args.a), ("b", args.b))}
+    for arm, mlp in mlps.items():
+        if mlp is None:
+            raise SystemExit(f"no router MLP for this target in {getattr(args, arm)}")
+    prompts = load_workload(args.workload, limit=args.limit)
+    first = prompts[0].ids or encode_chat(engine.tokenizer, prompts[0].messages, prompts[0].tools)
+    for arm in ("a", "b"):   # warm-up, not counted: the first generation of a process runs cold
+        engine.router_mlp = mlps[arm]
+        decode(engine, first, args.max_tokens, args.alpha)
+    records = []
+    for i, prompt in enumerate(prompts):
+        ids = prompt.ids or encode_chat(engine.tokenizer, prompt.messages, prompt.tools)
+        runs = {}
+        for arm in ("a", "b") if i % 2 == 0 else ("b", "a"):   # A B B A ...: drift falls on both
+            engine.router_mlp = mlps[arm]
+            runs[arm] = decode(engine, ids, args.max_tokens, args.alpha)
+        records.append({"category": prompt.category, "prompt_tokens": len(ids), "runs": runs})
+        a, b = totals([runs["a"]]), totals([runs["b"]])
+        print(f"{i + 1}/{len(prompts)} {prompt.category:15s} A {a['tps_cpu']:6.1f} tok/CPU-s al {a['acceptance_length']:.2f}"
+              f"  B {b['tps_cpu']:6.1f} al {b['acceptance_length']:.2f}", flush=True)
+
+    summary = {}
+    categories = list(dict.fromkeys(r["category"] for r in records))
+    for cat in categories + ["all"]:
+        group = [r for r in records if cat in ("all", r["category"])]
+        arms = {arm: totals([r["runs"][arm] for r in group]) for arm in ("a", "b")}
+        arms["b_over_a"] = {k: arms["b"][k] / arms["a"][k] for k in ("acceptance_length", "tps_wall", "tps_cpu")
+                            if arms["a"][k] and arms["b"][k]}
+        arms["identical"] = sum(r["runs"]["a"]["tokens"] == r["runs"]["b"]["tokens"] for r in group)
+        arms["prompts"] = len(group)
+        summary[cat] = arms
+
+    print(f"\n{'category':15s} {'A tok/CPU-s':>11s} {'B tok/CPU-s':>11s} {'B/A':>6s} {'A al':>6s} {'B al':>6s}")
+    for cat, s in summary.items():
+        print(f"{cat:15s} {s['a']['tps_cpu']:11.1f} {s['b']['tps_cpu']:11.1f} {s['b_over_a'].get('tps_cpu', 0):6.3f}"
+              f" {s['a']['acceptance_length']:6.2f} {s['b']['acceptance_length']:6.2f}")
+    print("rounds A:", {k: round(v, 3) for k, v in summary["all"]["a"]["round_share"].items()},
+          " B:", {k: round(v, 3) for k, v in summary["all"]["b"]["round_share"].items()})
+    if args.out:
+        result = {"command": "python bench/router_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_info(),
+                  "machine": machine_info("bfloat16", torch.get_num_threads()), "settings": vars(args),
+                  "summary": summary,
+                  "prompts": [{"category": r["category"], "prompt_tokens": r["prompt_tokens"],
+                               "runs": {arm: {k: v for k, v in run.items()} for arm, run in r["runs"].items()}}
+                              for r in records]}
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
