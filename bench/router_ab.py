@@ -20,17 +20,18 @@ which the JSON counts as `identical` prompts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from whiflash_core.bench.cli import dump_json  # noqa: E402
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
+from whiflash_core.bench.runners import drafter_rounds  # noqa: E402
 from whiflash_core.bench.workload import load_workload  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
 from whiflash_core.engine import GenerationRequest, SpeculationConfig  # noqa: E402
@@ -42,15 +43,11 @@ def decode(engine, ids: list[int], max_tokens: int, alpha: float) -> dict:
     g = engine.start(GenerationRequest(ids, max_tokens, speculation=SpeculationConfig("whiflash", alpha=alpha,
                                                                                       policy="learned")))
     g.prefill()
-    rounds: Counter = Counter()
     wall, cpu = time.perf_counter(), time.thread_time()
-    while not g.finished:
-        r = g.step()
-        if r is None:
-            break
-        rounds[r.drafter or "plain"] += 1
+    while not g.finished and g.step() is not None:
+        pass
     wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
-    return {"tokens": list(g.output), "rounds": dict(rounds), "wall_s": wall, "cpu_s": cpu}
+    return {"tokens": list(g.output), "rounds": drafter_rounds(g.stats()), "wall_s": wall, "cpu_s": cpu}
 
 
 def totals(runs: list[dict]) -> dict:
@@ -62,7 +59,7 @@ def totals(runs: list[dict]) -> dict:
     wall, cpu = sum(r["wall_s"] for r in runs), sum(r["cpu_s"] for r in runs)
     return {"tokens": tokens, "rounds": n, "acceptance_length": tokens / n if n else None,
             "tps_wall": tokens / wall if wall else None, "tps_cpu": tokens / cpu if cpu else None,
-            "round_share": {k: v / n for k, v in sorted(rounds.items())} if n else {}}
+            "round_share": {k: v / n for k, v in sorted(rounds.items()) if v} if n else {}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,12 +119,9 @@ def main(argv: list[str] | None = None) -> int:
         result = {"command": "python bench/router_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_info(),
                   "machine": machine_info("bfloat16", torch.get_num_threads()), "settings": vars(args),
-                  "summary": summary,
-                  "prompts": [{"category": r["category"], "prompt_tokens": r["prompt_tokens"],
-                               "runs": {arm: {k: v for k, v in run.items()} for arm, run in r["runs"].items()}}
-                              for r in records]}
+                  "summary": summary, "prompts": records}
         with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+            f.write(dump_json(result))
     return 0
 
 
