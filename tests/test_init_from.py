@@ -169,6 +169,56 @@ def test_dflash_init_from_a_pruned_head(target, first_dir, second_dir, tmp_path)
               target=target, quiet=True)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_grow_vocab_keeps_the_trained_rows_and_adds_the_most_frequent_missing_tokens(
+        kind, target, first_dir, second_dir, tmp_path):
+    """A head pruned at ship time (16 rows) widened to 40 by --grow-vocab: every trained row keeps
+    its weights, the new rows are the most frequent train-split response tokens it lacked and start
+    as the target's LM-head rows, and the vocabulary maps follow."""
+    build, settings = (TE.build_task, eagle_settings) if kind == "eagle3" else (TD.build_task, dflash_settings)
+    run1 = tmp_path / "run1"
+    train(build, kind, settings(first_dir, run1, steps=6), target=target, quiet=True)
+    shipped = Path(ship(str(run1), kind, str(tmp_path / "models"), None, draft_vocab=16))
+    old = weights(shipped)
+    old_ids = torch.arange(16) + old["d2t"].long()
+
+    both = f"{first_dir},{second_dir}"
+    grown = tmp_path / "grown"
+    out = train(build, kind, settings(both, grown, steps=0, init_from=str(shipped), grow_vocab=40),
+                target=target, quiet=True)
+    new = weights(grown / kind)
+    ids = torch.arange(40) + new["d2t"].long()
+    assert new["lm_head.weight"].shape[0] == 40 and torch.equal(ids, torch.sort(ids).values)
+    if kind == "eagle3":
+        assert torch.equal(torch.nonzero(new["t2d"]).flatten(), ids)
+    # the 16 trained rows, each under its own token
+    row = {int(t): r for r, t in enumerate(ids)}
+    for r, t in enumerate(old_ids.tolist()):
+        assert torch.equal(new["lm_head.weight"][row[t]], old["lm_head.weight"][r])
+    # the 24 added: the most frequent response tokens of the train split outside the old head
+    from whiflash_core.training.data import response_counts
+    counts = response_counts(load_examples(both, "train", 2048), target.cfg.vocab_size)
+    added = sorted(set(ids.tolist()) - set(old_ids.tolist()))
+    outside = counts.clone()
+    outside[old_ids] = -1
+    assert min(counts[added]) >= outside.topk(24).values[-1] > 0
+    head = target.lm_head.weight.detach().to(torch.bfloat16)
+    assert all(torch.equal(new["lm_head.weight"][row[t]], head[t]) for t in added)
+    # the rest of the drafter is the shipped one
+    assert all(torch.equal(new[k], old[k]) for k in old if k not in ("lm_head.weight", "d2t", "t2d"))
+    assert out["last_val"]["tau"] >= 1
+    one = tmp_path / "one"  # a step, so there is a checkpoint to ship
+    train(build, kind, settings(both, one, steps=1, init_from=str(shipped), grow_vocab=40), target=target, quiet=True)
+    card = (Path(ship(str(one), kind, str(tmp_path / "models2"), None)) / "README.md").read_text()
+    assert "grown to 40 with the most frequent" in card
+
+    with pytest.raises(SystemExit, match="already has 16 rows"):
+        train(build, kind, settings(both, tmp_path / "x", steps=0, init_from=str(shipped), grow_vocab=16),
+              target=target, quiet=True)
+    with pytest.raises(SystemExit, match="--init-from"):
+        train(build, kind, settings(both, tmp_path / "y", steps=0, grow_vocab=40), target=target, quiet=True)
+
+
 def test_init_from_a_drafter_shipped_before_cumulative_fields(target, first_dir, tmp_path):
     """The first shipped drafters record steps in config.json but tokens and hours only in their
     card: continuing one counts those."""

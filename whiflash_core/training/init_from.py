@@ -3,7 +3,8 @@ every training session adds to the weights (and the hours) already spent.
 
 What comes from DIR, so its weights load one to one: the architecture (layers, block size, taps,
 chain length...) and the draft vocabulary (head rows and d2t/t2d), including a head pruned at ship
-time. The run's own `--draft-vocab`, `--layers`, `--taps`, ... are ignored.
+time. The run's own `--draft-vocab`, `--layers`, `--taps`, ... are ignored; `--grow-vocab N`
+widens that vocabulary to N rows (grow_vocab()).
 
 Bookkeeping, so model cards stay truthful across sessions: every export records this run's steps,
 tokens and wall hours, the cumulative totals (the init drafter's plus this run's), where it
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from ..target import TargetModel
-from .data import data_dirs
+from .data import Example, data_dirs, response_counts
 
 
 @dataclass
@@ -61,6 +62,35 @@ def load_init(path: str, name: str, target: TargetModel) -> InitDrafter:
     else:
         vocab_ids = torch.arange(len(drafter.d2t)) + drafter.d2t
     return InitDrafter(asdict(drafter.cfg), vocab_ids, state, history(path, raw))
+
+
+def grow_vocab(init: InitDrafter, examples: list[Example], size: int, target: TargetModel) -> InitDrafter:
+    """`init` with its draft vocabulary widened to `size` rows: the most frequent response tokens of
+    `examples` that it lacks are added. Why: a head is chosen once, on the data of its first run, and
+    `--init-from` keeps it, so text that came later (translation, summaries) stays out of reach: a
+    target token outside the head can never be drafted (and is left out of the loss). Every trained
+    row keeps its weights; a new row starts as the target's LM-head row for its token, as a fresh
+    head does (build_task)."""
+    old = init.vocab_ids
+    if "lm_head.weight" not in init.state or init.config.get("draft_vocab_size") != len(old):
+        raise SystemExit("--grow-vocab: the init drafter has no reduced head to grow")
+    if size <= len(old):
+        raise SystemExit(f"--grow-vocab {size}: the init drafter's head already has {len(old)} rows")
+    counts = response_counts(examples, target.cfg.vocab_size)
+    counts[old] = -1  # never picked twice
+    added = torch.sort(-counts, stable=True).indices[:size - len(old)]
+    ids = torch.sort(torch.cat([old, added])).values
+    # row r of the grown head: the old head's row for ids[r] where it had one, else the target's
+    head = target.lm_head.weight.detach().float()[ids].clone()
+    row_of_old = torch.searchsorted(ids, old)  # old is sorted, so its rows land in order
+    head[row_of_old] = init.state["lm_head.weight"].float()
+    state = dict(init.state, **{"lm_head.weight": head})
+    # the vocabulary maps, as the drafters' set_vocab() writes them
+    if "d2t" in state:
+        state["d2t"] = ids - torch.arange(len(ids))
+    if "t2d" in state:
+        state["t2d"] = torch.zeros_like(state["t2d"]).index_fill_(0, ids, True)
+    return InitDrafter(dict(init.config, draft_vocab_size=size), ids, state, init.prior)
 
 
 # --------------------------------------------------------------------------- bookkeeping

@@ -39,7 +39,7 @@ from ..target import TargetModel
 from .data import (Example, build_draft_vocab, data_dirs, load_examples, parse_repeats, pick_val, plan_epoch,
                    repeat_sources, step_generator, vocab_coverage)
 from .features import FeatureStore
-from .init_from import InitDrafter, load_init, totals
+from .init_from import InitDrafter, grow_vocab, load_init, totals
 from .logs import MetricsLog, plot_log, read_log
 from .task import DrafterTask, Item, slot_counts
 
@@ -77,6 +77,9 @@ class TrainSettings:
     init_from: str | None = setting(None, "start a new run from this shipped/exported drafter (same kind): its "
                                     "weights, draft vocabulary and architecture (overriding --draft-vocab, "
                                     "--layers, --taps...); exports count its steps, tokens and hours in")
+    grow_vocab: int | None = setting(None, "with --init-from: widen its draft vocabulary to N rows with the most "
+                                     "frequent response tokens of the train split it lacks (its trained rows "
+                                     "kept, new rows from the target's LM head)")
     feature_cache: str | None = setting(None, "directory for cached target features (default DIR/features; "
                                         "'none' = off)")
     model: str | None = setting(None, "target HF directory (default: embedded SmolLM2)")
@@ -327,8 +330,12 @@ def train(factory: TaskFactory, name: str, s: TrainSettings, target: TargetModel
     elif s.init_from:
         # the init drafter's vocabulary and shapes, so its weights load one to one
         init = load_init(s.init_from, name, target)
+        if s.grow_vocab:
+            init = grow_vocab(init, train_set, s.grow_vocab, target)
         vocab_ids, config, prior = init.vocab_ids, init.config, init.prior
         coverage = vocab_coverage(train_set, vocab_ids, target.cfg.vocab_size)
+    elif s.grow_vocab:
+        raise SystemExit("--grow-vocab widens the head of an --init-from drafter; without one use --draft-vocab")
     else:
         vocab_ids, coverage = build_draft_vocab(train_set, s.draft_vocab, target.cfg.vocab_size)
         config, prior = None, None

@@ -182,6 +182,9 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
 def _vocab_origin(ckpt: dict[str, Any]) -> str:
     n = len(ckpt["vocab_ids"])
     if (ckpt.get("prior") or {}).get("init_from"):
+        if ckpt["settings"].get("grow_vocab"):
+            return (f"the rows of the drafter it continues, grown to {n} with the most frequent train-split "
+                    "response tokens it lacked (`--grow-vocab`; new rows started as the target's LM-head rows)")
         return f"the {n} rows of the drafter it continues"
     return f"{n} most frequent response tokens"
 
