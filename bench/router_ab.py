@@ -1,7 +1,9 @@
-"""Two router MLPs against each other in one process: `whiflash` with router A, then B, per prompt.
+"""Two router MLPs against each other in one process: `whiflash` with router A, then B, per prompt;
+and, with `--fixed`, single methods beside them (is the router's split of the rounds right?).
 
     .venv/bin/python bench/router_ab.py --b runs/router3 [--a models/smollm2-135m-instruct] \
-        --workload ../shared/data/bench/spec_bench.jsonl --limit 3 --threads 1 --out FILE
+        [--fixed none,eagle3,ngram] --workload ../shared/data/bench/spec_bench.jsonl --limit 3 \
+        --threads 1 --out FILE
 
 Why one process: two `whiflash bench` runs each time their own cost model at start-up, and a cost
 table timed beside other work routes differently, so two runs differ by more than their routers.
@@ -9,6 +11,8 @@ Here one engine (one target, one set of drafters, one measured cost model) serve
 twice, the learned policy reading router A's MLP, then B's (`Engine.router_mlp`, read when a
 request starts), in the order A B B A for every second prompt so that a drift of the machine's
 speed falls on both arms alike (after one untimed generation per arm: a process's first runs cold).
+Without `--b` only router A runs. Each `--fixed` method is one more arm (that method every round,
+its full draft length), in the same rotation.
 
 Reported per category and overall, per arm: tokens, acceptance length (tokens per round), rounds
 by drafter, and tokens per second of the decode loop (prefill excluded) in wall time and in CPU
@@ -38,9 +42,10 @@ from whiflash_core.engine import GenerationRequest, SpeculationConfig  # noqa: E
 from whiflash_core.loading import SHIPPED_DRAFTERS, load_engine, load_router_mlp  # noqa: E402
 
 
-def decode(engine, ids: list[int], max_tokens: int, alpha: float) -> dict:
-    """One greedy `whiflash` generation; the decode loop timed (wall and this thread's CPU)."""
-    g = engine.start(GenerationRequest(ids, max_tokens, speculation=SpeculationConfig("whiflash", alpha=alpha,
+def decode(engine, ids: list[int], max_tokens: int, alpha: float, method: str = "whiflash") -> dict:
+    """One greedy generation (`whiflash` with the learned policy, or a fixed `method`); the decode
+    loop timed (wall and this thread's CPU)."""
+    g = engine.start(GenerationRequest(ids, max_tokens, speculation=SpeculationConfig(method, alpha=alpha,
                                                                                       policy="learned")))
     g.prefill()
     wall, cpu = time.perf_counter(), time.thread_time()
@@ -65,7 +70,8 @@ def totals(runs: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", default=SHIPPED_DRAFTERS, help="directory of router A's router_mlp.safetensors")
-    p.add_argument("--b", required=True, help="directory of router B's router_mlp.safetensors")
+    p.add_argument("--b", default=None, help="directory of router B's router_mlp.safetensors (none: A alone)")
+    p.add_argument("--fixed", default="", help="comma-separated single methods run beside (none, eagle3, ngram...)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--workload", default="../shared/data/bench/spec_bench.jsonl")
     p.add_argument("--limit", type=int, default=3, help="prompts per category")
@@ -77,44 +83,53 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     engine = load_engine(None, args.drafters, "bfloat16", threads=args.threads, weights=args.weights)
-    mlps = {arm: load_router_mlp(d, engine.target, engine.drafters) for arm, d in (("a", args.a), ("b", args.b))}
+    routers = {"a": args.a, **({"b": args.b} if args.b else {})}
+    mlps = {arm: load_router_mlp(d, engine.target, engine.drafters) for arm, d in routers.items()}
     for arm, mlp in mlps.items():
         if mlp is None:
-            raise SystemExit(f"no router MLP for this target in {getattr(args, arm)}")
+            raise SystemExit(f"no router MLP for this target in {routers[arm]}")
+    fixed = [m.strip() for m in args.fixed.split(",") if m.strip()]
+    arms = [*mlps, *fixed]
+
+    def run(arm: str, ids: list[int]) -> dict:
+        if arm in mlps:
+            engine.router_mlp = mlps[arm]
+            return decode(engine, ids, args.max_tokens, args.alpha)
+        return decode(engine, ids, args.max_tokens, args.alpha, method=arm)
+
     prompts = load_workload(args.workload, limit=args.limit)
     first = prompts[0].ids or encode_chat(engine.tokenizer, prompts[0].messages, prompts[0].tools)
-    for arm in ("a", "b"):   # warm-up, not counted: the first generation of a process runs cold
-        engine.router_mlp = mlps[arm]
-        decode(engine, first, args.max_tokens, args.alpha)
+    for arm in arms:   # warm-up, not counted: the first generation of a process runs cold
+        run(arm, first)
     records = []
     for i, prompt in enumerate(prompts):
         ids = prompt.ids or encode_chat(engine.tokenizer, prompt.messages, prompt.tools)
-        runs = {}
-        for arm in ("a", "b") if i % 2 == 0 else ("b", "a"):   # A B B A ...: drift falls on both
-            engine.router_mlp = mlps[arm]
-            runs[arm] = decode(engine, ids, args.max_tokens, args.alpha)
+        runs = {arm: run(arm, ids) for arm in (arms if i % 2 == 0 else arms[::-1])}   # A B B A: drift on all
         records.append({"category": prompt.category, "prompt_tokens": len(ids), "runs": runs})
-        a, b = totals([runs["a"]]), totals([runs["b"]])
-        print(f"{i + 1}/{len(prompts)} {prompt.category:15s} A {a['tps_cpu']:6.1f} tok/CPU-s al {a['acceptance_length']:.2f}"
-              f"  B {b['tps_cpu']:6.1f} al {b['acceptance_length']:.2f}", flush=True)
+        print(f"{i + 1}/{len(prompts)} {prompt.category:15s} " + "  ".join(
+            f"{arm} {t['tps_cpu']:6.1f} al {t['acceptance_length']:.2f}"
+            for arm, t in ((arm, totals([runs[arm]])) for arm in arms)), flush=True)
 
     summary = {}
     categories = list(dict.fromkeys(r["category"] for r in records))
     for cat in categories + ["all"]:
         group = [r for r in records if cat in ("all", r["category"])]
-        arms = {arm: totals([r["runs"][arm] for r in group]) for arm in ("a", "b")}
-        arms["b_over_a"] = {k: arms["b"][k] / arms["a"][k] for k in ("acceptance_length", "tps_wall", "tps_cpu")
-                            if arms["a"][k] and arms["b"][k]}
-        arms["identical"] = sum(r["runs"]["a"]["tokens"] == r["runs"]["b"]["tokens"] for r in group)
-        arms["prompts"] = len(group)
-        summary[cat] = arms
+        s = {arm: totals([r["runs"][arm] for r in group]) for arm in arms}
+        for arm in arms[1:]:   # every arm against router A
+            s[f"{arm}_over_a"] = {k: s[arm][k] / s["a"][k] for k in ("acceptance_length", "tps_wall", "tps_cpu")
+                                  if s["a"][k] and s[arm][k]}
+        if "b" in s:
+            s["identical"] = sum(r["runs"]["a"]["tokens"] == r["runs"]["b"]["tokens"] for r in group)
+        s["prompts"] = len(group)
+        summary[cat] = s
 
-    print(f"\n{'category':15s} {'A tok/CPU-s':>11s} {'B tok/CPU-s':>11s} {'B/A':>6s} {'A al':>6s} {'B al':>6s}")
+    print(f"\n{'category':15s} " + " ".join(f"{arm + ' tok/CPU-s':>16s} {'x A':>6s}" for arm in arms))
     for cat, s in summary.items():
-        print(f"{cat:15s} {s['a']['tps_cpu']:11.1f} {s['b']['tps_cpu']:11.1f} {s['b_over_a'].get('tps_cpu', 0):6.3f}"
-              f" {s['a']['acceptance_length']:6.2f} {s['b']['acceptance_length']:6.2f}")
-    print("rounds A:", {k: round(v, 3) for k, v in summary["all"]["a"]["round_share"].items()},
-          " B:", {k: round(v, 3) for k, v in summary["all"]["b"]["round_share"].items()})
+        print(f"{cat:15s} " + " ".join(f"{s[arm]['tps_cpu']:16.1f} {s[arm]['tps_cpu'] / s['a']['tps_cpu']:6.3f}"
+                                       for arm in arms))
+    print(f"{'acc. length':15s} " + " ".join(f"{summary['all'][arm]['acceptance_length']:16.2f} {'':6s}" for arm in arms))
+    for arm in arms:
+        print(f"rounds {arm}:", {k: round(v, 3) for k, v in summary["all"][arm]["round_share"].items()})
     if args.out:
         result = {"command": "python bench/router_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_info(),
