@@ -12,6 +12,7 @@ import importlib
 # train subcommand -> module providing add_parser(subparsers)
 TRAIN_COMMANDS = {
     "distill": "whiflash_core.training.distill",
+    "derive": "whiflash_core.training.derive",
     "eagle3": "whiflash_core.training.eagle3",
     "dflash": "whiflash_core.training.dflash",
     "router": "whiflash_core.training.router",

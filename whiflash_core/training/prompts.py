@@ -91,6 +91,17 @@ SOURCES: dict[str, SourceInfo] = {
                  "google-research-datasets/dstc8-schema-guided-dialogue : train/dialogues_*.json, train/schema.json"),
             ]
         ],
+        # writing and explaining prompts on subjects the target named for licensed passages
+        # (training/derive.py): each carries its passages' licence
+        *[
+            SourceInfo(name, licence, f"whiflash train derive, subjects of {origin}", 1)
+            for name, licence, origin in [
+                ("topic_tasks_xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
+                ("topic_tasks_scitldr", "Apache-2.0 (repo; no separate data licence)",
+                 "allenai/scitldr : SciTLDR-A abstracts"),
+                ("topic_tasks_pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
+            ]
+        ],
         SourceInfo("alpaca_en_demo",
                    "repo Apache-2.0; content appears to be Alpaca-GPT4 data (upstream CC BY-NC 4.0)",
                    "hiyouga/LLaMA-Factory : data/alpaca_en_demo.json", 5),

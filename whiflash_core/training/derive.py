@@ -1,0 +1,199 @@
+"""`whiflash train derive`: prompts for kinds of text no prompt set has, made in two steps from
+English passages of the licensed sets, by the target itself.
+
+Why: the prompt sets cover maths, tools, translation, summaries, passage QA and chat, but not
+open-ended writing and explanations (Spec-Bench's writing, stem and humanities categories, where
+EAGLE-3 accepts least), and the sets that have them are CC BY-NC (Alpaca). Their subjects can
+still come from licensed text:
+
+    1. `derive --step topics`: one prompt per distinct English passage (XQuAD paragraphs, SciTLDR
+       abstracts, PubMedQA contexts) asking the target for the passage's subject in a few words;
+       `whiflash train distill` answers them (greedy: --sample-frac 0).
+    2. `derive --step tasks`: each answered subject, cleaned (`clean_topic`), goes into TASKS_PER_TOPIC
+       of the TEMPLATES (writing: a blog post, a story, a letter...; explaining: simple terms,
+       history, arguments for and against...), chosen by a hash of the passage id, so a rerun
+       writes the same file. `whiflash train distill` answers those: the training data.
+
+    whiflash train derive --step topics --data ../shared/data/train --out datasets/prompts/passage_topics.jsonl
+    whiflash train distill --prompts datasets/prompts/passage_topics.jsonl --out datasets/smollm2-topics \\
+        --sample-frac 0 --val-per-source 0 --max-new-tokens 24 --max-prompt-tokens 1024
+    whiflash train derive --step tasks --topics datasets/smollm2-topics --out datasets/prompts
+    whiflash train distill --prompts datasets/prompts/topic_tasks_xquad.jsonl ... --out datasets/smollm2-distill-r3
+
+The task files are named per passage origin (topic_tasks_xquad, topic_tasks_scitldr,
+topic_tasks_pubmedqa): each is a source of its own with its origin's licence (prompts.SOURCES).
+No prompt of Spec-Bench is read; the templates are this file's own wording.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator
+
+from whiflash_core.cli_args import add_arguments, from_args, setting
+from whiflash_core.training.prompts import read_records
+
+# passage origin -> the prompt-set files under --data that hold its English passages
+ORIGINS = {
+    "xquad": ("multiturn/xquad_passage_multiturn.jsonl", "rag_qa/xquad_rag_qa.jsonl"),
+    "scitldr": ("summarization/scitldr_abstract_summarization.jsonl",),
+    "pubmedqa": ("rag_qa/pubmedqa_rag_qa.jsonl",),
+}
+TOPIC_QUESTION = ("Here is a passage.\n\n{passage}\n\nWhat is the general subject of this passage, in at most "
+                  "six words? Reply with the subject only.")
+TEMPLATES = (
+    "Write a blog post about {topic}.",
+    "Write a short story that involves {topic}.",
+    "Write a persuasive essay about {topic}.",
+    "Write a letter to a friend about {topic}.",
+    "Write a poem about {topic}.",
+    "Explain {topic} in simple terms.",
+    "What should everyone know about {topic}? Answer in a few paragraphs.",
+    "Describe the history and the importance of {topic}.",
+    "What are the main arguments for and against {topic}?",
+    "How does {topic} affect everyday life? Give examples.",
+)
+TASKS_PER_TOPIC = 2   # pick_templates keeps two distinct; more would need a step coprime with len(TEMPLATES)
+MAX_TOPIC_WORDS = 8
+
+
+@dataclass
+class Passage:
+    origin: str
+    key: str
+    text: str
+
+
+_PASSAGE = re.compile(r"^Passage \d+( \([^)]*\))?:\s*")
+
+
+def _passages_of(origin: str, record: dict) -> list[str]:
+    """The English passage(s) of one prompt record of `origin`."""
+    text = record["messages"][0]["content"]
+    if origin == "scitldr":
+        # the instruction comes before or after the abstract: the abstract is the longest block
+        blocks = [re.sub(r"^Abstract:\s*", "", b.strip()) for b in text.split("\n\n")]
+        return [max(blocks, key=len)]
+    if origin == "xquad" and "-en-" not in record.get("id", ""):
+        return []   # XQuAD's other languages
+    blocks = [b.strip() for b in text.split("\n\n")]
+    passages = [_PASSAGE.sub("", b) for b in blocks if _PASSAGE.match(b)]
+    if origin == "pubmedqa":   # the sections of one abstract: one passage
+        return [" ".join(passages)] if passages else []
+    return passages or [blocks[0]]   # XQuAD: "Passage N:" paragraphs, or the paragraph a chat opens with
+
+
+def passages(data_dir: str) -> Iterator[Passage]:
+    """Every distinct English passage of the ORIGINS sets under `data_dir` (30 words or more), in
+    file order, keyed by a hash of its text."""
+    seen: set[str] = set()
+    for origin, paths in ORIGINS.items():
+        for path in paths:
+            for record in read_records(os.path.join(data_dir, path)):
+                for text in _passages_of(origin, record):
+                    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
+                    if len(text.split()) >= 30 and digest not in seen:
+                        seen.add(digest)
+                        yield Passage(origin, digest, text)
+
+
+def topic_prompts(data_dir: str) -> list[dict]:
+    """Step 1's prompt records ({id, messages}); the id keeps the passage's origin."""
+    return [{"id": f"{p.origin}-{p.key}", "messages": [{"role": "user", "content": TOPIC_QUESTION.format(passage=p.text)}]}
+            for p in passages(data_dir)]
+
+
+def clean_topic(answer: str) -> str | None:
+    """The target's answer to TOPIC_QUESTION as a noun phrase to put in a template, or None when
+    it is not one (empty, too long, a sentence of its own)."""
+    line = answer.strip().split("\n")[0].strip()
+    line = re.sub(r"^(the )?(general )?(subject|topic)( of (this|the) passage)?( is|:)\s*", "", line, flags=re.I)
+    line = line.strip(" \"'*.:").strip()
+    words = line.split()
+    if not 1 <= len(words) <= MAX_TOPIC_WORDS or not re.search(r"[A-Za-z]", line):
+        return None
+    if len(words) > 1 and words[0][:1].isupper() and not words[0].isupper() and not words[1][:1].isupper():
+        line = line[0].lower() + line[1:]   # "Climate change" -> "climate change"; "NASA", "Paris" stay
+    return line
+
+
+def pick_templates(key: str, n: int = TASKS_PER_TOPIC) -> list[str]:
+    """n distinct templates for a passage id, the same on every run (a hash, not a random draw)."""
+    h = int(hashlib.sha1(key.encode()).hexdigest(), 16)
+    first = h % len(TEMPLATES)
+    step = 1 + (h // len(TEMPLATES)) % (len(TEMPLATES) - 1)   # 1..9: the first two always differ
+    return [TEMPLATES[(first + i * step) % len(TEMPLATES)] for i in range(n)]
+
+
+def task_prompts(topics: list[tuple[str, str]]) -> dict[str, list[dict]]:
+    """Step 2's prompt records per origin from (passage id, target's answer) pairs; answers that
+    are no topic are left out."""
+    out: dict[str, list[dict]] = {origin: [] for origin in ORIGINS}
+    for key, answer in topics:
+        topic = clean_topic(answer)
+        origin = key.split("-", 1)[0]
+        if topic is None or origin not in out:
+            continue
+        for i, template in enumerate(pick_templates(key)):
+            out[origin].append({"id": f"{key}-{i}", "messages": [{"role": "user", "content": template.format(topic=topic)}]})
+    return out
+
+
+def answered_topics(distilled_dir: str) -> list[tuple[str, str]]:
+    """(passage id, decoded answer) of every prompt of a distilled step-1 directory (both splits)."""
+    from whiflash_core.loading import load_hf_model
+    from whiflash_core.training.distill import load_distilled
+
+    tokenizer = load_hf_model(None)[1]   # the embedded target's (the distiller's) tokenizer
+    out = []
+    for split in ("train", "val"):
+        for s in load_distilled(distilled_dir, split):
+            out.append((s["id"].split("/", 1)[1], tokenizer.decode(s["response_ids"].tolist(), skip_special_tokens=True)))
+    return out
+
+
+def write_jsonl(path: str, records: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+# --------------------------------------------------------------------------- CLI
+
+@dataclass
+class DeriveSettings:
+    step: str = setting(help="topics: step 1's prompts from passages; tasks: step 2's from answered topics",
+                        choices=["topics", "tasks"])
+    out: str = setting(help="topics: the JSONL to write; tasks: the directory for topic_tasks_<origin>.jsonl")
+    data: str = setting("../shared/data/train", "topics: the prompt sets' directory")
+    topics: str | None = setting(None, "tasks: the distilled directory of step 1's answers")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("derive", help="prompts for open-ended writing, derived from licensed passages",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p, DeriveSettings)
+    p.set_defaults(func=run)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    s = from_args(DeriveSettings, args)
+    if s.step == "topics":
+        records = topic_prompts(s.data)
+        write_jsonl(s.out, records)
+        print(f"wrote {len(records)} topic prompts to {s.out}")
+        return 0
+    if not s.topics:
+        raise SystemExit("derive tasks needs --topics (the distilled answers of step 1)")
+    answers = answered_topics(s.topics)
+    for origin, records in task_prompts(answers).items():
+        path = os.path.join(s.out, f"topic_tasks_{origin}.jsonl")
+        write_jsonl(path, records)
+        print(f"wrote {len(records)} prompts to {path}")
+    return 0
