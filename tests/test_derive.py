@@ -62,6 +62,7 @@ def test_passages_are_the_distinct_english_ones(data_dir):
     ("", None),
     ("This passage talks about many different things that happen in the world every day", None),
     ("1234", None),
+    ('Fort Duquesne" and it is a fictional story', None),
 ])
 def test_clean_topic(answer, topic):
     assert derive.clean_topic(answer) == topic

@@ -114,7 +114,8 @@ def clean_topic(answer: str) -> str | None:
     line = re.sub(r"^(the )?(general )?(subject|topic)( of (this|the) passage)?( is|:)\s*", "", line, flags=re.I)
     line = line.strip(" \"'*.:").strip()
     words = line.split()
-    if not 1 <= len(words) <= MAX_TOPIC_WORDS or not re.search(r"[A-Za-z]", line):
+    if not 1 <= len(words) <= MAX_TOPIC_WORDS or not re.search(r"[A-Za-z]", line) or '"' in line:
+        # a quote left inside: several quoted phrases or a sentence after one (`X" and it is ...`)
         return None
     if len(words) > 1 and words[0][:1].isupper() and not words[0].isupper() and not words[1][:1].isupper():
         line = line[0].lower() + line[1:]   # "Climate change" -> "climate change"; "NASA", "Paris" stay
