@@ -16,16 +16,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
-
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from router_ab import decode, totals  # noqa: E402
+from router_ab import decode, totals, write_result  # noqa: E402
 
-from whiflash_core.bench.cli import dump_json  # noqa: E402
-from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
 from whiflash_core.bench.workload import load_workload  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
 from whiflash_core.loading import SHIPPED_DRAFTERS, load_engine  # noqa: E402
@@ -82,12 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s[f'a/{m}']['tps_cpu']:16.1f} {s[f'b/{m}']['tps_cpu']:16.1f} {s[f'b_over_a/{m}']['tps_cpu']:6.3f} "
             f"{s[f'a/{m}']['acceptance_length']:5.2f} {s[f'b/{m}']['acceptance_length']:5.2f}" for m in methods))
     if args.out:
-        result = {"command": "python bench/drafter_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_info(),
-                  "machine": machine_info("bfloat16", torch.get_num_threads()), "settings": vars(args),
-                  "summary": summary, "prompts": records}
-        with open(args.out, "w") as f:
-            f.write(dump_json(result))
+        write_result(args.out, "drafter_ab.py", argv, args, summary, records)
     return 0
 
 

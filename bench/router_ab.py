@@ -131,13 +131,20 @@ def main(argv: list[str] | None = None) -> int:
     for arm in arms:
         print(f"rounds {arm}:", {k: round(v, 3) for k, v in summary["all"][arm]["round_share"].items()})
     if args.out:
-        result = {"command": "python bench/router_ab.py " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_info(),
-                  "machine": machine_info("bfloat16", torch.get_num_threads()), "settings": vars(args),
-                  "summary": summary, "prompts": records}
-        with open(args.out, "w") as f:
-            f.write(dump_json(result))
+        write_result(args.out, "router_ab.py", argv, args, summary, records)
     return 0
+
+
+def write_result(path: str, script: str, argv: list[str] | None, args: argparse.Namespace, summary: dict,
+                 records: list[dict]) -> None:
+    """The A/B run as JSON: its command line, time, commit, machine (lscpu flags), settings,
+    per-category summary and every prompt's runs (also drafter_ab.py's)."""
+    result = {"command": f"python bench/{script} " + " ".join(sys.argv[1:] if argv is None else argv),
+              "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "git": git_info(),
+              "machine": machine_info("bfloat16", torch.get_num_threads()), "settings": vars(args),
+              "summary": summary, "prompts": records}
+    with open(path, "w") as f:
+        f.write(dump_json(result))
 
 
 if __name__ == "__main__":

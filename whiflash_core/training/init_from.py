@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..target import TargetModel
-from .data import Example, data_dirs, response_counts
+from .data import Example, build_draft_vocab, data_dirs
 
 
 @dataclass
@@ -76,9 +76,8 @@ def grow_vocab(init: InitDrafter, examples: list[Example], size: int, target: Ta
         raise SystemExit("--grow-vocab: the init drafter has no reduced head to grow")
     if size <= len(old):
         raise SystemExit(f"--grow-vocab {size}: the init drafter's head already has {len(old)} rows")
-    counts = response_counts(examples, target.cfg.vocab_size)
-    counts[old] = -1  # never picked twice
-    added = torch.sort(-counts, stable=True).indices[:size - len(old)]
+    lacking = torch.ones(target.cfg.vocab_size, dtype=torch.bool).index_fill_(0, old, False).nonzero().flatten()
+    added, _ = build_draft_vocab(examples, size - len(old), target.cfg.vocab_size, within=lacking)
     ids = torch.sort(torch.cat([old, added])).values
     # row r of the grown head: the old head's row for ids[r] where it had one, else the target's
     head = target.lm_head.weight.detach().float()[ids].clone()
