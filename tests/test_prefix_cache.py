@@ -7,7 +7,7 @@ import torch
 
 from tiny import VOCAB, tiny_dflash, tiny_eagle, tiny_target
 from whiflash_core.engine import METHODS, Engine, GenerationRequest, SpeculationConfig
-from whiflash_core.prefix_cache import BLOCK, PrefixCache
+from whiflash_core.prefix_cache import BLOCK, MAX_SLACK, PrefixCache
 
 TAPS = (1, 3)
 
@@ -80,6 +80,25 @@ def test_least_recently_used_entries_go_beyond_the_budget():
     # an entry larger than the whole budget is not stored
     cache.store("", TAPS, ids(4 * BLOCK, seed=9), *kv(4 * BLOCK), None)
     assert cache.lookup("", (TAPS,), ids(4 * BLOCK, seed=9), limit=4 * BLOCK) is None
+
+
+def test_an_entry_views_the_buffers_it_is_given_unless_they_are_much_larger():
+    """No copy where the buffers are about the stored size (a request's cache with room for its
+    answer): the entry shares their memory and counts all of it. Where they are more than MAX_SLACK
+    times larger, it keeps compact copies, so the budget bounds the memory it holds."""
+    cache = PrefixCache(10**8)
+    seq = ids(4 * BLOCK)
+    k, v = kv(4 * BLOCK + 20)                              # 20 spare positions: a view
+    cache.store("", TAPS, seq, k, v, None)
+    entry = cache.lookup("", (TAPS,), seq, limit=len(seq)).entry
+    assert entry.k.untyped_storage().data_ptr() == k.untyped_storage().data_ptr()
+    assert cache.stats.stored_bytes == entry.nbytes == k.nbytes + v.nbytes + seq.nbytes
+    seq2 = ids(2 * BLOCK, seed=2)
+    k2, v2 = kv(int(2 * BLOCK * MAX_SLACK) + 1)            # too much spare room: copies
+    cache.store("", TAPS, seq2, k2, v2, None)
+    entry2 = cache.lookup("", (TAPS,), seq2, limit=len(seq2)).entry
+    assert entry2.k.untyped_storage().data_ptr() != k2.untyped_storage().data_ptr()
+    assert torch.equal(entry2.k, k2[:, :, :2 * BLOCK]) and entry2.k.shape[2] == 2 * BLOCK
 
 
 def test_a_hash_collision_is_a_miss_not_a_wrong_prefix(monkeypatch):
@@ -170,3 +189,24 @@ def test_a_reused_prefix_brings_the_drafters_caught_up_on_it(method):
         gen.step()
     off = engine(0).generate(GenerationRequest(prompt, 20, speculation=spec))
     assert gen.output == off.output
+
+
+@pytest.mark.parametrize("method", ["eagle3", "dflash", "whiflash"])
+def test_what_a_running_request_stored_does_not_change_as_it_goes_on(method):
+    """A request stores its prompt after prefill as views of its own buffers, then goes on writing
+    drafts, verified tokens and rollbacks into them: the stored positions must stay as they were,
+    and a later request reusing them must get the same tokens as one without the cache."""
+    eng = engine(10**8)
+    spec = SpeculationConfig(method=method, entropy_threshold=3.0)
+    prompt = torch.randint(0, VOCAB, (6 * BLOCK + 5,), generator=torch.Generator().manual_seed(21)).tolist()
+    gen = eng.start(GenerationRequest(prompt, 40, speculation=spec))
+    gen.prefill()
+    entry = eng.prefix_cache.lookup("", (eng.tap_layers,), torch.tensor(prompt), limit=len(prompt)).entry
+    assert entry.k.untyped_storage().data_ptr() == gen.cache.k.untyped_storage().data_ptr()   # a view
+    snapshot = [t.clone() for t in entry.tensors()]
+    while not gen.finished:
+        gen.step()
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, entry.tensors()))
+    again = eng.generate(GenerationRequest(prompt, 40, speculation=spec))
+    assert again.cached_tokens == 6 * BLOCK
+    assert again.output == engine(0).generate(GenerationRequest(prompt, 40, speculation=spec)).output

@@ -10,9 +10,9 @@ the shared prefix; so do we, with the scheme of vLLM's automatic prefix caching:
               (tenant) and the tapped layers, so one dict lookup per block walks the longest cached
               prefix, and one tenant's prefix can never be found by another
     entry     the K/V (and tapped hidden states, which the drafters catch up from) of one stored
-              sequence, positions 0..n-1, copied out of the request's cache, and the K/V the
-              request's drafters had built over it (EAGLE-3's and DFlash's caches), so a request
-              that reuses the prefix starts with its drafters caught up on it too
+              sequence, positions 0..n-1, and the K/V the request's drafters had built over it
+              (EAGLE-3's and DFlash's caches), so a request that reuses the prefix starts with its
+              drafters caught up on it too; views of the request's own buffers, not copies (below)
     lookup    walk the new prompt's block keys while they hit; the entry of the deepest hit holds
               the whole matched prefix (entries always start at position 0); its ids are compared
               to the prompt's, so a hash collision can only cost a miss, never a wrong answer
@@ -27,6 +27,14 @@ Positions 0..n-1 of a request's cache never change after they are verified (roll
 drafted positions), so what is stored is exactly what a fresh prefill would have produced up to the
 rounding of a differently shaped forward: in float32 the outputs with and without the cache are the
 same tokens (tests/test_prefix_cache.py).
+
+The same fact lets an entry keep views of the request's buffers instead of copies: the request goes
+on writing past position n-1 only, and when it finishes the entry is what keeps the buffers alive.
+Copies of a 1,500-token agent turn (K/V, taps, drafter caches: ~40 MB in bf16, into freshly mapped
+pages) cost 70-80 ms a turn, after prefill (inside the time to first token) and at the end. The
+budget counts the memory an entry keeps alive: the whole buffers it views (a request's buffers
+have room for its answer; they double when they grow), so where those hold more than
+MAX_SLACK times the stored positions the entry takes compact copies instead.
 """
 from __future__ import annotations
 
@@ -37,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 
 BLOCK = 32  # tokens per cached block: small enough to keep most of a turn, large enough to hash cheaply
+MAX_SLACK = 1.5  # an entry keeps views while the buffers they view hold at most this times the stored bytes
 
 
 @dataclass
@@ -54,14 +63,31 @@ class Entry:
     lineage: object = field(default_factory=object)
     lineage_len: int = 0
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.ids, self.k, self.v, self.taps, *(t for kv in self.drafters.values() for t in kv))
+                if t is not None]
+
     def measure(self) -> int:
-        tensors = [self.ids, self.k, self.v, self.taps, *(t for kv in self.drafters.values() for t in kv)]
-        self.nbytes = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        """The bytes this entry keeps alive: the whole buffers under its tensors (views or not)."""
+        self.nbytes = held_bytes(self.tensors())
         return self.nbytes
 
     @property
     def length(self) -> int:
         return self.ids.shape[0]
+
+
+def held_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct buffers (storages) under `tensors`."""
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        storages[st.data_ptr()] = st.nbytes()
+    return sum(storages.values())
+
+
+def viewed_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 @dataclass
@@ -138,14 +164,19 @@ class PrefixCache:
               lineage: tuple[object, int] | None = None) -> None:
         """Keep positions 0..n-1 (whole blocks) of a sequence: ids [n'], k/v [layers, kv_heads, >=n', head_dim];
         `drafters`: name -> (k, v, s), a drafter's cache, valid at positions < s; `lineage`: the
-        (KVCache.lineage, lineage_len) of k/v (default: a lineage of their own)."""
+        (KVCache.lineage, lineage_len) of k/v (default: a lineage of their own).
+
+        The entry views k, v, tap_states and the drafter caches (a compact copy where the buffers
+        are much larger than what is kept, MAX_SLACK): the caller must never write their first n
+        positions again (a request's verified positions, the module docstring)."""
         n = (ids.shape[0] // self.block) * self.block
         if not self.enabled or n == 0:
             return
         id_list = ids[:n].tolist()
         keys = list(self._keys(namespace, taps, id_list, n // self.block))
-        drafter_kv = {name: (dk[:, :, :min(s, n)].clone(), dv[:, :, :min(s, n)].clone())
+        drafter_kv = {name: (dk[:, :, :min(s, n)], dv[:, :, :min(s, n)])
                       for name, (dk, dv, s) in (drafters or {}).items() if s > 0}
+        drafter_kv = {name: kv for name, kv in zip(drafter_kv, self._compact(list(drafter_kv.values())))}
         with self._lock:
             last = self._by_key.get(keys[-1])
             if last is not None and torch.equal(last.ids[:n], ids[:n]):
@@ -158,8 +189,8 @@ class PrefixCache:
                 self._entries.move_to_end(id(last))
                 self._evict()
                 return
-        entry = Entry(ids[:n].clone(), k[:, :, :n].clone(), v[:, :, :n].clone(),
-                      None if tap_states is None else tap_states[:n].clone(), drafter_kv)
+        (k, v, tap_states), = self._compact([(k[:, :, :n], v[:, :, :n], None if tap_states is None else tap_states[:n])])
+        entry = Entry(ids[:n].clone(), k, v, tap_states, drafter_kv)
         if lineage is not None:
             entry.lineage, entry.lineage_len = lineage[0], min(lineage[1], n)
         else:
@@ -179,6 +210,18 @@ class PrefixCache:
             self.stats.stored_bytes += entry.nbytes
             self.stats.entries += 1
             self._evict()
+
+    @staticmethod
+    def _compact(groups: list[tuple]) -> list[tuple]:
+        """Each group of views (None allowed) as it is, or as compact copies where the buffers under
+        it hold more than MAX_SLACK times its bytes."""
+        out = []
+        for group in groups:
+            tensors = [t for t in group if t is not None]
+            if held_bytes(tensors) > MAX_SLACK * viewed_bytes(tensors):
+                group = tuple(None if t is None else t.clone() for t in group)
+            out.append(group)
+        return out
 
     def _evict(self) -> None:
         """Least recently used entries go until the budget holds (called with the lock held)."""
