@@ -4,6 +4,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
+import time
 
 import pytest
 import torch
@@ -63,7 +65,13 @@ def test_choice_takes_the_faster_lm_head_and_float32_activations_where_they_win(
     assert (f.dtype, f.weights, f.prefill_dtype) == ("float32", "int4", "float32")
 
 
-def test_measure_times_the_candidates_and_caches_them(tmp_path, monkeypatch):
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """No other work on our CPUs, whatever else runs beside the tests (the caching tests below)."""
+    monkeypatch.setattr(machine, "_busy_seconds", lambda cpus: None)
+
+
+def test_measure_times_the_candidates_and_caches_them(tmp_path, monkeypatch, quiet_machine):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     cfg = dataclasses.replace(tiny_target(torch.float32).cfg, hidden_size=64, intermediate_size=128, head_dim=16)
     first = measure(cfg, ("int8",))
@@ -87,7 +95,7 @@ def test_out_of_order_tables_are_spotted_and_read_from_below():
     assert envelope(quiet) == quiet
 
 
-def test_a_contended_verify_timing_is_timed_again_and_never_cached(tmp_path, monkeypatch):
+def test_a_contended_verify_timing_is_timed_again_and_never_cached(tmp_path, monkeypatch, quiet_machine):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     target = tiny_target(torch.float32)
     quiet = ({1: 3e-3, 4: 5e-3}, {4: 5e-3, 8: 9e-3})
@@ -114,7 +122,7 @@ def test_a_contended_verify_timing_is_timed_again_and_never_cached(tmp_path, mon
     assert verify_tables(target) == quiet
 
 
-def test_a_contended_format_timing_is_timed_again(tmp_path, monkeypatch):
+def test_a_contended_format_timing_is_timed_again(tmp_path, monkeypatch, quiet_machine):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     cfg = tiny_target(torch.float32).cfg
     rows = (1, 4, 8) + PREFILL_ROWS
@@ -128,6 +136,43 @@ def test_a_contended_format_timing_is_timed_again(tmp_path, monkeypatch):
     result = measure(cfg, ("int4",))
     assert result["table"]["bfloat16/int4"] == {str(r): round(good["bfloat16/int4"][r], 6) for r in rows}
     assert len(list(tmp_path.glob("formats-*.json"))) == 1
+
+
+def other_work(cores: float):
+    """A fake machine-wide busy-seconds reading: this process's CPU time plus `cores` of other work."""
+    t0 = time.perf_counter()
+    return lambda cpus: time.process_time() + cores * (time.perf_counter() - t0)
+
+
+def test_timings_beside_other_work_are_used_but_not_cached(tmp_path, monkeypatch):
+    """In order, but other processes kept more of our CPUs busy than our threads leave free: the
+    timings serve this run and the next start times them again (one attempt: no retry)."""
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    target = tiny_target(torch.float32)
+    quiet = ({1: 3e-3, 4: 5e-3}, {4: 5e-3, 8: 9e-3})
+    calls = []
+    monkeypatch.setattr(machine, "_time_verify", lambda *a: calls.append(time.sleep(0.2)) or quiet)
+    monkeypatch.setattr(machine, "_our_cpus", lambda: {0, 1})
+    monkeypatch.setattr(machine, "_busy_seconds", other_work(1.0))   # a one-core job beside us
+    assert machine.others_load(lambda: time.sleep(0.2))[1] == pytest.approx(1.0, abs=0.1)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)          # we need both CPUs
+    assert verify_tables(target) == quiet
+    assert len(calls) == 1 and not list(tmp_path.glob("verify-*.json"))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)          # one CPU is ours alone
+    assert verify_tables(target) == quiet
+    assert len(list(tmp_path.glob("verify-*.json"))) == 1
+
+
+def test_other_work_is_read_from_the_cpus_we_may_run_on(tmp_path, monkeypatch):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  900 0 100 5000 0 0 0 0 0 0\n"
+                    "cpu0 100 0 50 2000 10 0 0 0 0 0\n"
+                    "cpu1 700 0 30 1000 5 0 0 20 0 0\n"
+                    "cpu2 100 0 20 2000 0 0 0 0 0 0\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(stat if path == "/proc/stat" else path, *a, **k))
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert machine._busy_seconds({0, 1}) == pytest.approx((150 + 750) / ticks)   # idle, iowait left out; steal in
 
 
 def _run(model, chunks: list[torch.Tensor], taps=(1, 3)):

@@ -20,8 +20,9 @@ the shapes of the model it is about to load, and picks per phase:
 Timing runs on random weights of the real shapes, FORMATS_CONTEXT positions cached (an agent
 conversation's length): a model with no layers (embedding, norm, head)
 and one with n = min(L, 8) layers give the whole model's cost as T0 + (L / n) * (Tn - T0) without
-building all of it. Each figure is the best of a few runs (interference only adds time), and a table
-whose times fall as rows grow is timed again and never cached (out_of_order). It takes
+building all of it. Each figure is the best of a few runs (interference only adds time), a table
+whose times fall as rows grow is timed again and never cached (out_of_order), and timings taken
+while other processes kept busy the CPUs this one's threads need are used but not cached. It takes
 seconds to a minute, once: it is cached per CPU model, ISA flags, thread count, torch
 version and model shape (in ~/.cache/whiflash, or $WHIFLASH_CACHE_DIR). `whiflash info` prints it.
 """
@@ -74,6 +75,13 @@ VERIFY_CACHE_VERSION = 6
 # differ by noise alone.
 ORDER_SLACK = (1.15, 1e-3)
 MEASURE_ATTEMPTS = 3
+# A busy machine can also slow every row count alike, which no ordering shows: at 2 threads on a
+# 2-core AMD EPYC beside a one-core training job (this repo's own background work) the format table
+# read bf16/q4_1 T(1) = 23.3 ms, T(128) = 602 ms and bf16/dense T(128) = 667 ms, quiet 6.8, 137 and
+# 188 ms, every table in order, and would have been cached for good. So each attempt also reads how
+# much CPU other processes took on the CPUs this process may run on (/proc/stat, Linux); beyond the
+# CPUs its threads leave free, plus this slack in cores, the attempt counts as contended.
+OTHERS_SLACK = 0.25
 
 
 @dataclass(frozen=True)
@@ -149,15 +157,59 @@ def envelope(table: dict[int, float]) -> dict[int, float]:
     return dict(sorted(out.items()))
 
 
+def _busy_seconds(cpus: set[int]) -> float | None:
+    """CPU seconds the given CPUs have spent busy since boot (every /proc/stat state but idle and
+    iowait; steal included: a hypervisor's other guests are other work too). None off Linux."""
+    try:
+        with open("/proc/stat") as f:
+            lines = [line.split() for line in f if line.startswith("cpu") and line[3].isdigit()]
+    except OSError:
+        return None
+    ticks = 0
+    for fields in lines:
+        if int(fields[0][3:]) in cpus:
+            t = [int(x) for x in fields[1:9]]   # user nice system idle iowait irq softirq steal
+            ticks += sum(t) - t[3] - t[4]
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _our_cpus() -> set[int]:
+    return set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+
+
+def others_load(time_once):
+    """(time_once(), the cores other processes kept busy meanwhile on this process's CPUs, None
+    where that cannot be read)."""
+    cpus = _our_cpus()
+    busy, own, wall = _busy_seconds(cpus), time.process_time(), time.perf_counter()
+    result = time_once()
+    after = _busy_seconds(cpus)
+    if busy is None or after is None:
+        return result, None
+    own, wall = time.process_time() - own, time.perf_counter() - wall
+    return result, max(after - busy - own, 0.0) / max(wall, 1e-9)
+
+
+def contended(others: float | None) -> bool:
+    """Did other work (`others_load` cores) take CPU that this process's threads needed?"""
+    spare = max(len(_our_cpus()) - torch.get_num_threads(), 0)
+    return others is not None and others > spare + OTHERS_SLACK
+
+
 def _timed_in_order(time_once, what: str) -> tuple[dict, bool]:
-    """time_once() -> {name: {rows: seconds}}, timed until no table is out of order, MEASURE_ATTEMPTS
-    times at most; returns (tables, in order?), tables still out of order as their lower envelopes."""
+    """time_once() -> {name: {rows: seconds}}, timed until no table is out of order (MEASURE_ATTEMPTS
+    times at most), and not again once other work competed for the CPUs (`contended`); returns
+    (tables, trusted?), untrusted tables as their lower envelopes (used for this run, never cached)."""
     for _ in range(MEASURE_ATTEMPTS):
-        tables = time_once()
+        tables, others = others_load(time_once)
+        if contended(others):   # other work that long is rarely gone a minute later: no retry
+            why = f"ran beside other work ({others:.1f} cores of it on this process's CPUs)"
+            break
         if not any(map(out_of_order, tables.values())):
             return tables, True
-    print(f"whiflash: the {what} timings stayed out of order in {MEASURE_ATTEMPTS} attempts (is other work "
-          "running?); using their lower envelope, not caching them", file=sys.stderr, flush=True)
+        why = f"stayed out of order in {MEASURE_ATTEMPTS} attempts"
+    print(f"whiflash: the {what} timings {why}; using their lower envelope for this run, not caching them "
+          "(the next start times them again)", file=sys.stderr, flush=True)
     return {name: envelope(t) for name, t in tables.items()}, False
 
 
