@@ -22,7 +22,8 @@ conversation's length): a model with no layers (embedding, norm, head)
 and one with n = min(L, 8) layers give the whole model's cost as T0 + (L / n) * (Tn - T0) without
 building all of it. Each figure is the best of a few runs (interference only adds time), a table
 whose times fall as rows grow is timed again and never cached (out_of_order), and timings taken
-while other processes kept busy the CPUs this one's threads need are used but not cached. It takes
+while other processes kept busy the CPUs this one's threads need are timed again at the first
+start that finds the machine quiet (`contended`). It takes
 seconds to a minute, once: it is cached per CPU model, ISA flags, thread count, torch
 version and model shape (in ~/.cache/whiflash, or $WHIFLASH_CACHE_DIR). `whiflash info` prints it.
 """
@@ -80,7 +81,9 @@ MEASURE_ATTEMPTS = 3
 # read bf16/q4_1 T(1) = 23.3 ms, T(128) = 602 ms and bf16/dense T(128) = 667 ms, quiet 6.8, 137 and
 # 188 ms, every table in order, and would have been cached for good. So each attempt also reads how
 # much CPU other processes took on the CPUs this process may run on (/proc/stat, Linux); beyond the
-# CPUs its threads leave free, plus this slack in cores, the attempt counts as contended.
+# CPUs its threads leave free, plus this slack in cores, the attempt counts as contended, and its
+# tables are cached marked so: a machine that stays busy starts at once with them, and the first
+# start that finds it quiet times them again.
 OTHERS_SLACK = 0.25
 
 
@@ -196,21 +199,42 @@ def contended(others: float | None) -> bool:
     return others is not None and others > spare + OTHERS_SLACK
 
 
-def _timed_in_order(time_once, what: str) -> tuple[dict, bool]:
+def quiet_now(seconds: float = 0.25) -> bool:
+    """No other work competing for this process's CPUs over a short look (`contended`)."""
+    return not contended(others_load(lambda: time.sleep(seconds))[1])
+
+
+def _timed_in_order(time_once, what: str) -> tuple[dict, float | None, bool]:
     """time_once() -> {name: {rows: seconds}}, timed until no table is out of order (MEASURE_ATTEMPTS
-    times at most), and not again once other work competed for the CPUs (`contended`); returns
-    (tables, trusted?), untrusted tables as their lower envelopes (used for this run, never cached)."""
+    times at most), and not again once other work competed for the CPUs (`contended`: that work is
+    rarely gone a minute later). Returns (tables, the other work's cores if it competed else None,
+    worth caching?): tables still out of order come as their lower envelopes and are not worth
+    caching; contended ones are cached marked so (a later start that finds the machine quiet times
+    them again, a busy one starts at once with them: `_cached`)."""
     for _ in range(MEASURE_ATTEMPTS):
         tables, others = others_load(time_once)
-        if contended(others):   # other work that long is rarely gone a minute later: no retry
-            why = f"ran beside other work ({others:.1f} cores of it on this process's CPUs)"
-            break
+        if contended(others):
+            print(f"whiflash: the {what} timings ran beside other work ({others:.1f} cores of it on this "
+                  "process's CPUs); cached as such, timed again at the next start that finds the machine "
+                  "quiet", file=sys.stderr, flush=True)
+            return {name: envelope(t) for name, t in tables.items()}, others, True
         if not any(map(out_of_order, tables.values())):
-            return tables, True
-        why = f"stayed out of order in {MEASURE_ATTEMPTS} attempts"
-    print(f"whiflash: the {what} timings {why}; using their lower envelope for this run, not caching them "
-          "(the next start times them again)", file=sys.stderr, flush=True)
-    return {name: envelope(t) for name, t in tables.items()}, False
+            return tables, None, True
+    print(f"whiflash: the {what} timings stayed out of order in {MEASURE_ATTEMPTS} attempts (is other work "
+          "running?); using their lower envelope, not caching them", file=sys.stderr, flush=True)
+    return {name: envelope(t) for name, t in tables.items()}, None, False
+
+
+def _cached(path: str, use_cache: bool) -> dict | None:
+    """The cached timing file at path, unless use_cache is off or it was timed beside other work
+    and the machine is quiet now (time it again, then)."""
+    if not (use_cache and os.path.exists(path)):
+        return None
+    with open(path) as f:
+        saved = json.load(f)
+    if saved.get("contended") is not None and quiet_now():
+        return None
+    return saved
 
 
 def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str = "int8"):
@@ -362,15 +386,13 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
                                            "num_heads", "num_kv_heads", "head_dim")}
     key = {"v": CACHE_VERSION, "machine": info, "shape": shape, "light": sorted(light_formats)}
     path = _cache_path(key)
-    if use_cache and os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f)
-        if not any(out_of_order({int(r): t for r, t in v.items()}) for v in saved["table"].values()):
-            return saved
+    saved = _cached(path, use_cache)
+    if saved is not None and not any(out_of_order({int(r): t for r, t in v.items()}) for v in saved["table"].values()):
+        return saved
     started = time.perf_counter()
     candidates = ([(d, w) for d in ("bfloat16", "float32") for w in light_formats]
                   + [("bfloat16", "dense"), ("float32", "dense")])
-    table, in_order = _timed_in_order(lambda: time_formats(cfg, candidates, heads=head_kinds()), "format")
+    table, others, worth = _timed_in_order(lambda: time_formats(cfg, candidates, heads=head_kinds()), "format")
     if verbose:
         for name, t in table.items():
             print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), file=sys.stderr,
@@ -380,7 +402,9 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
               "seconds": round(time.perf_counter() - started, 2),
               "table": {k: {str(r): round(t, 6) for r, t in v.items()} for k, v in table.items()},
               "formats": dataclasses.asdict(formats)}
-    if in_order:
+    if others is not None:
+        result["contended"] = round(others, 2)   # cores of other work while timing (_timed_in_order)
+    if worth:
         _write_json(path, result)
     return result
 
@@ -410,20 +434,19 @@ def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
     key = {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape, "dtype": str(target.dtype),
            "formats": fmt, "linears": linears, "taps": list(taps)}
     path = _cache_path(key, "verify")
-    if use_cache and os.path.exists(path):
-        with open(path) as f:
-            saved = json.load(f)
+    saved = _cached(path, use_cache)
+    if saved is not None:
         tables = ({int(r): t for r, t in saved["table"].items()}, {int(r): t for r, t in saved["shared"].items()})
         if not any(map(out_of_order, tables)):
             return tables
-    tables, in_order = _timed_in_order(lambda: dict(zip(("table", "shared"), _time_verify(target, taps, reps))),
-                                       "verify")
+    tables, others, worth = _timed_in_order(
+        lambda: dict(zip(("table", "shared"), _time_verify(target, taps, reps))), "verify")
     best, shared = tables["table"], tables["shared"]
-    if not in_order:
-        return best, shared
-    _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,
-                       "table": {str(r): round(t, 6) for r, t in best.items()},
-                       "shared": {str(r): round(t, 6) for r, t in shared.items()}})
+    if worth:
+        _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,
+                           "table": {str(r): round(t, 6) for r, t in best.items()},
+                           "shared": {str(r): round(t, 6) for r, t in shared.items()},
+                           **({"contended": round(others, 2)} if others is not None else {})})
     return best, shared
 
 
