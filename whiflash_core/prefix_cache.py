@@ -90,6 +90,15 @@ def viewed_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def _compact(views: tuple) -> tuple:
+    """The views (None allowed) as they are, or as compact copies where the buffers under them
+    hold more than MAX_SLACK times their bytes."""
+    tensors = [t for t in views if t is not None]
+    if held_bytes(tensors) <= MAX_SLACK * viewed_bytes(tensors):
+        return views
+    return tuple(None if t is None else t.clone() for t in views)
+
+
 @dataclass
 class Hit:
     entry: Entry
@@ -174,9 +183,8 @@ class PrefixCache:
             return
         id_list = ids[:n].tolist()
         keys = list(self._keys(namespace, taps, id_list, n // self.block))
-        drafter_kv = {name: (dk[:, :, :min(s, n)], dv[:, :, :min(s, n)])
+        drafter_kv = {name: _compact((dk[:, :, :min(s, n)], dv[:, :, :min(s, n)]))
                       for name, (dk, dv, s) in (drafters or {}).items() if s > 0}
-        drafter_kv = {name: kv for name, kv in zip(drafter_kv, self._compact(list(drafter_kv.values())))}
         with self._lock:
             last = self._by_key.get(keys[-1])
             if last is not None and torch.equal(last.ids[:n], ids[:n]):
@@ -189,7 +197,7 @@ class PrefixCache:
                 self._entries.move_to_end(id(last))
                 self._evict()
                 return
-        (k, v, tap_states), = self._compact([(k[:, :, :n], v[:, :, :n], None if tap_states is None else tap_states[:n])])
+        k, v, tap_states = _compact((k[:, :, :n], v[:, :, :n], None if tap_states is None else tap_states[:n]))
         entry = Entry(ids[:n].clone(), k, v, tap_states, drafter_kv)
         if lineage is not None:
             entry.lineage, entry.lineage_len = lineage[0], min(lineage[1], n)
@@ -210,18 +218,6 @@ class PrefixCache:
             self.stats.stored_bytes += entry.nbytes
             self.stats.entries += 1
             self._evict()
-
-    @staticmethod
-    def _compact(groups: list[tuple]) -> list[tuple]:
-        """Each group of views (None allowed) as it is, or as compact copies where the buffers under
-        it hold more than MAX_SLACK times its bytes."""
-        out = []
-        for group in groups:
-            tensors = [t for t in group if t is not None]
-            if held_bytes(tensors) > MAX_SLACK * viewed_bytes(tensors):
-                group = tuple(None if t is None else t.clone() for t in group)
-            out.append(group)
-        return out
 
     def _evict(self) -> None:
         """Least recently used entries go until the budget holds (called with the lock held)."""
