@@ -154,6 +154,18 @@ class AcceptanceModel:
             out = memo[(where, k_max)] = self._rates(drafter, where, k_max)
         return out
 
+    def summary(self, drafter: str, where: int, k: int) -> tuple[float, float, float]:
+        """(p_1, (g(k) - 1) / k, w / (w + PRIOR_WEIGHT)) for `drafter` in situation `where`, w its
+        `observed` weight there: the learned router's scalars per drafter (router_mlp.scalar_features),
+        kept like `rates` until the drafter's next update."""
+        memo = self._memo.setdefault(drafter, {})
+        out = memo.get(("summary", where, k))
+        if out is None:
+            rates, seen = self.rates(drafter, where, k), self.observed(drafter, where)
+            out = memo[("summary", where, k)] = (rates[0], (expected_tokens(rates, k) - 1.0) / k,
+                                                  seen / (seen + PRIOR_WEIGHT))
+        return out
+
     def _rates(self, drafter: str, where: int, k_max: int) -> list[float]:
         measured = self.priors.get(where)
         if measured:   # past its last position the prior keeps its last rate

@@ -266,6 +266,8 @@ class Router:
         # the cost and learned policies price every length up to these (prompt lookup: longer)
         self.route_lens = {name: d.routed_draft_len(spec) for name, d in self.drafters.items()} \
             if self.routes else dict(self.draft_lens)
+        # the most draft tokens any route of this request may take (the engine's cache headroom)
+        self.longest_draft = max([*self.draft_lens.values(), *self.route_lens.values()], default=0)
         self.policy, self.alpha = spec.policy, spec.alpha
         if self.routes and self.policy == "learned" and learned is None:
             _log_once("speculation.policy 'learned' asked for, but no router MLP is loaded (no "
@@ -286,10 +288,6 @@ class Router:
         # (the prompt): charged to no round, or a long prompt would keep the drafters from ever
         # being picked (an idle drafter's backlog only grows). Set by the Generation.
         self.prompt_len = 0
-
-    @property
-    def longest_draft(self) -> int:
-        return max([*self.draft_lens.values(), *self.route_lens.values()], default=0)
 
     def route(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
               limit: int | None = None, hidden: torch.Tensor | None = None) -> Route:

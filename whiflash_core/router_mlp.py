@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import decode_ops
-from .acceptance import PRIOR_WEIGHT, AcceptanceModel, expected_tokens, situation
+from .acceptance import AcceptanceModel, situation
 
 FILE_NAME = "router_mlp.safetensors"
 FORMAT = "whiflash-router-mlp/1"
@@ -76,10 +76,7 @@ def scalar_features(cfg: RouterMLPConfig, entropy: float, top1: float, match: in
     which replay a request's rounds, and for serving)."""
     out = [entropy, top1, float(match == 2), float(match >= 3)]
     for name, k in zip(cfg.drafters, cfg.draft_lens):
-        where = situation(name, top1, match)
-        rates = acceptance.rates(name, where, k)
-        seen = acceptance.observed(name, where)
-        out += [rates[0], (expected_tokens(rates, k) - 1.0) / k, seen / (seen + PRIOR_WEIGHT)]
+        out += acceptance.summary(name, situation(name, top1, match), k)
     return out
 
 
@@ -129,10 +126,11 @@ class RouterMLP(nn.Module):
                                           self.fc2.weight, self.fc2.bias)
         key = tuple(t._version for t in params)
         if self.__dict__.get("_fold_key") != key:
-            w = self.fc1.weight / self.scale
-            w1, b1 = w.contiguous(), self.fc1.bias - w @ self.shift
-            call = decode_ops.MLP2.make(w1, b1, self.fc2.weight.detach().float().contiguous(),
-                                        self.fc2.bias.detach().float().contiguous(), self.cfg.hidden_size)
+            with torch.no_grad():
+                w = self.fc1.weight / self.scale
+                w1, b1 = w.contiguous(), self.fc1.bias - w @ self.shift
+                call = decode_ops.MLP2.make(w1, b1, self.fc2.weight.detach().float().contiguous(),
+                                            self.fc2.bias.detach().float().contiguous(), self.cfg.hidden_size)
             self._fold, self._fold_key = (w1, b1, call), key
         return self._fold
 
@@ -156,13 +154,12 @@ class RouterMLP(nn.Module):
             p = torch.sigmoid(torch.addmv(self.fc2.bias, self.fc2.weight, h)).tolist()
         return self._per_drafter(p)
 
-    @torch.inference_mode()
     def rates_at(self, hidden: torch.Tensor, scalars: list[float]) -> dict[str, list[float]]:
         """rates(x) for x = [hidden, scalars] (`features` without building x): a serving round's
         call. On the CPU one C call on the weights `_folded` bound (decode_ops.MLP2: in a round,
         after the target's forward has evicted the caches, building x and checking the tensors
         measured ~350 us of the router's ~700 us at one thread)."""
-        call = self._folded()[2]
+        call = self._folded()[2]   # no inference_mode around the C call: entering it cost ~3 us a round
         if call is None:   # PyTorch's ops: the same ValueError as the C call's for a row of the wrong size
             if hidden.shape != (self.cfg.hidden_size,) or len(scalars) != self.cfg.n_features - self.cfg.hidden_size:
                 raise ValueError(f"router MLP input of {tuple(hidden.shape)} + {len(scalars)} scalars, it takes "
