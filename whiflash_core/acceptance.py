@@ -144,6 +144,7 @@ class AcceptanceModel:
         # rates() per drafter by (situation, k_max) until its next update: the routers ask for
         # every drafter's rates every round, and most rounds update one drafter or none
         self._memo: dict[str, dict[tuple[int, int], list[float]]] = {}
+        self._summaries: dict[str, dict[tuple[int, int], tuple[float, float, float]]] = {}   # likewise, summary()
 
     def rates(self, drafter: str, where: int, k_max: int) -> list[float]:
         """p_1..p_k_max for `drafter` in situation `where` (the list may be shared between calls:
@@ -158,12 +159,11 @@ class AcceptanceModel:
         """(p_1, (g(k) - 1) / k, w / (w + PRIOR_WEIGHT)) for `drafter` in situation `where`, w its
         `observed` weight there: the learned router's scalars per drafter (router_mlp.scalar_features),
         kept like `rates` until the drafter's next update."""
-        memo = self._memo.setdefault(drafter, {})
-        out = memo.get(("summary", where, k))
+        memo = self._summaries.setdefault(drafter, {})
+        out = memo.get((where, k))
         if out is None:
             rates, seen = self.rates(drafter, where, k), self.observed(drafter, where)
-            out = memo[("summary", where, k)] = (rates[0], (expected_tokens(rates, k) - 1.0) / k,
-                                                  seen / (seen + PRIOR_WEIGHT))
+            out = memo[(where, k)] = (rates[0], (expected_tokens(rates, k) - 1.0) / k, seen / (seen + PRIOR_WEIGHT))
         return out
 
     def _rates(self, drafter: str, where: int, k_max: int) -> list[float]:
@@ -185,5 +185,6 @@ class AcceptanceModel:
         if k <= 0:
             return
         self._memo.pop(drafter, None)
+        self._summaries.pop(drafter, None)
         self.overall.setdefault(drafter, PositionRates()).update(k, accepted)
         self.by_situation.setdefault((drafter, where), PositionRates()).update(k, accepted)
