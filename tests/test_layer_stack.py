@@ -145,7 +145,8 @@ def test_an_eagle3_chain_step_with_native_ops_is_the_module_step(weights):
         real = drafter.logits
         drafter.logits = lambda a: logits.append(real(a)) or logits[-1]
         try:
-            draft = drafter.propose(state, ctx, 5, DraftSampling())
+            # step by step (propose runs a Q4_1 chain in one C call: the next test)
+            draft = drafter.propose_many([state], [ctx], [5], [DraftSampling()])[0]
         finally:
             del drafter.logits
         return draft.tokens, torch.cat(logits).float(), state.cache.k[:, :, :n + 5].clone()
@@ -232,3 +233,45 @@ def test_more_rows_than_the_stack_takes_run_through_it_in_chunks(monkeypatch, t,
     finally:
         model.layer_stack = saved
     assert torch.allclose(got.logits, module.logits, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("fc_norm,norm_output", [(True, False), (False, True)])
+def test_an_eagle3_chain_in_one_c_call_is_the_step_by_step_chain(fc_norm, norm_output):
+    """Eagle3Drafter.propose for one greedy request runs its whole chain in C (layer_stack.EagleChain):
+    the same draft tokens and the same drafter-cache K/V, bit for bit, as propose_many's step-by-step
+    path over the same kernels, for chains of 1 to 6 tokens, with and without fc norms."""
+    from whiflash_core import layer_stack as ls
+    from whiflash_core.drafters.base import Context, DraftSampling
+    from whiflash_core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
+    from whiflash_core.quant import quantize_linears_q4_1
+
+    cfg = TargetConfig(**{**CFG.__dict__, "num_layers": 6, "vocab_size": 2048})
+    target = q4_1_target(cfg)
+    dcfg = Eagle3Config(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                        num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                        vocab_size=cfg.vocab_size, draft_vocab_size=512, tap_layers=[1, 3, 4],
+                        fc_norm=fc_norm, norm_output=norm_output)
+    rows = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(5))[:512].sort().values
+    drafter = Eagle3Drafter.random(dcfg, target.embed_tokens, seed=3, dtype=torch.bfloat16, vocab_rows=rows)
+    quantize_linears_q4_1(drafter)
+    assert decode_ops.use_for(drafter)
+    chain = drafter._chain()
+    assert isinstance(chain, ls.EagleChain)
+    n = 70
+    ids = torch.randint(0, cfg.vocab_size, (n + 8,), generator=torch.Generator().manual_seed(2))
+    taps = (torch.randn(n + 8, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(4)) * 2).bfloat16()
+    for k in (1, 3, 6):
+        ctx = Context(ids, n, taps, drafter.tap_layers)
+        one, many = drafter.new_state(n + 1), drafter.new_state(n + 1)   # both grow to hold the chain
+        got = drafter.propose(one, ctx, k, DraftSampling())
+        ref = drafter.propose_many([many], [ctx], [k], [DraftSampling()])[0]
+        assert got.tokens.shape == (k,) and torch.equal(got.tokens, ref.tokens)
+        assert (one.n_seen, one.cache.length) == (many.n_seen, many.cache.length) == (n, n)
+        end = n + k - 1   # the chain's own positions too: the same K/V written by the same kernels
+        assert torch.equal(one.cache.k[:, :, :end], many.cache.k[:, :, :end])
+        assert torch.equal(one.cache.v[:, :, :end], many.cache.v[:, :, :end])
+    # where a piece has no C kernel the drafter keeps its module path
+    for m in drafter.modules():
+        if hasattr(m, "native_ops"):
+            m.native_ops = False
+    assert drafter._chain() is None

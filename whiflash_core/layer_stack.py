@@ -44,6 +44,9 @@ def _library() -> ctypes.CDLL | None:
     lib.draft_layer_bf16.argtypes = [p, i64, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, i64,
                                      p, p, p, p, p]
     lib.draft_layer_bf16.restype = ctypes.c_int
+    lib.eagle_chain_bf16.argtypes = [p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, p,
+                                     i64, i64, p, i64, p, i64, p, p, i64, i64, p, p, i64, p]
+    lib.eagle_chain_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -196,6 +199,9 @@ class DraftLayer:
             return None
         return cls(layer, index, qkv, gate_up)
 
+    def __deepcopy__(self, memo):   # a copied drafter has other tensors: it runs its modules
+        return None
+
     def run(self, attn_in: torch.Tensor, residual: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             segments: list[tuple[int, int, object]]) -> torch.Tensor:
         """The layer over attn_in [T, in_dim] with residual [T, hidden] (both bf16): the output
@@ -209,3 +215,64 @@ class DraftLayer:
         if status != 0:
             raise MemoryError(f"the drafter layer could not allocate scratch for {x.shape[0]} rows")
         return x
+
+
+class EagleChain:
+    """An EAGLE-3 drafter's greedy chain for one request in one call (kernels/layers.c's
+    `eagle_chain_bf16`): the fused feature, the first step, every head and argmax and every chain
+    step, with the very kernels the module path calls in the same order (the same bits,
+    tests/test_layer_stack.py), where Python between them cost ~0.3 ms a step. It applies to a
+    one-layer drafter whose layer runs in C (DraftLayer), with Q4_1 fc and head, bf16 norms in C
+    (one eps) and no norm before fc; otherwise the drafter keeps its module path."""
+
+    def __init__(self, drafter, layer: DraftLayer):
+        fc_norms = list(drafter.fc_norm) if drafter.fc_norm is not None else []
+        first = drafter.layers[0]
+        self.layer, self.eps = layer, drafter.cfg.rms_norm_eps
+        self.norm_output, self.norm_before_residual = drafter.cfg.norm_output, first.norm_before_residual
+        self.n_taps, self.tap_width = len(drafter.tap_layers), drafter.cfg.tap_width
+        self.tensors = [*_blocks(drafter.fc), first.input_layernorm.weight, first.hidden_norm.weight,
+                        drafter.norm.weight, *_blocks(drafter.lm_head), *(n.weight for n in fc_norms)]
+        addresses = [t.data_ptr() for t in self.tensors]
+        self.weights = pointers(addresses if fc_norms else addresses + [0] * self.n_taps)
+        self.embed = drafter.embed_tokens.weight
+        self.d2t = drafter.d2t
+        self.vocab = drafter.lm_head.out_features
+
+    @classmethod
+    def build(cls, drafter) -> "EagleChain | None":
+        """`drafter`'s chain in C where every piece has its kernel, else None."""
+        from .quant import Q41Linear
+
+        if len(drafter.layers) != 1 or drafter.input_norm is not None:
+            return None
+        layer = drafter.layers[0].native_layer(0)
+        norms = [drafter.norm, drafter.layers[0].input_layernorm, drafter.layers[0].hidden_norm,
+                 *(drafter.fc_norm or [])]
+        if (layer is None or not all(isinstance(m, Q41Linear) for m in (drafter.fc, drafter.lm_head))
+                or not all(n.native_ops and n.weight.dtype == torch.bfloat16 and n.eps == drafter.cfg.rms_norm_eps
+                           for n in norms)
+                or drafter.embed_tokens.weight.dtype != torch.bfloat16 or not drafter.embed_tokens.weight.is_contiguous()
+                or drafter.cfg.tap_width % 16 or drafter.cfg.hidden_size % 16):
+            return None
+        return cls(drafter, layer)
+
+    def __deepcopy__(self, memo):   # a copied drafter has other tensors: it drafts step by step
+        return None
+
+    def run(self, taps: torch.Tensor, pending: int, cos: torch.Tensor, sin: torch.Tensor, start: int,
+            cache, k: int) -> torch.Tensor:
+        """The k draft tokens (target ids, [k] long) of the chain seeded by the newest verified
+        pair: taps [n_taps, tap_width] bf16 at position `start`, the pending token; cos, sin [k, hd]
+        of positions start..start + k - 1; `cache` the drafter's KVCache, holding those positions."""
+        L = self.layer
+        taps, cos, sin = taps.contiguous(), cos.contiguous(), sin.contiguous()
+        tokens = torch.empty(k, dtype=torch.long)
+        status = _library().eagle_chain_bf16(
+            L.weights, self.weights, L.hidden, L.intermediate, L.nh, L.nkv, L.hd, self.eps, int(self.norm_output),
+            int(self.norm_before_residual), taps.data_ptr(), self.n_taps, self.tap_width, self.embed.data_ptr(),
+            pending, self.d2t.data_ptr(), self.vocab, cos.data_ptr(), sin.data_ptr(), start, cache.capacity,
+            cache.k.data_ptr(), cache.v.data_ptr(), k, tokens.data_ptr())
+        if status != 0:
+            raise MemoryError(f"the EAGLE-3 chain could not allocate scratch for {k} steps")
+        return tokens

@@ -292,7 +292,28 @@ class Eagle3Drafter(Drafter, nn.Module):
 
     @torch.inference_mode()
     def propose(self, state: Eagle3State, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
-        return self.propose_many([state], [ctx], [num_tokens], [sampling])[0]
+        chain = self._chain() if sampling.greedy and num_tokens > 0 and ctx.taps.dtype == torch.bfloat16 else None
+        if chain is None:
+            return self.propose_many([state], [ctx], [num_tokens], [sampling])[0]
+        # propose_many's greedy chain for this one request, all of it in one C call (same bits)
+        self.catch_up(state, ctx)
+        n = ctx.n
+        state.cache.ensure(n - 1 + num_tokens)   # positions n-1 (the newest pair) .. n+k-2
+        cos, sin = self.rotary.tables(slice(n - 1, n - 1 + num_tokens), torch.bfloat16)
+        tokens = chain.run(ctx.features(self.tap_layers, n - 1, n)[0], int(ctx.ids[n]), cos, sin, n - 1,
+                           state.cache, num_tokens)
+        state.n_seen = state.cache.length = n
+        return Draft(tokens.to(ctx.ids.device))
+
+    def _chain(self):
+        """The greedy chain in C (layer_stack.EagleChain) where it applies with the native ops on,
+        built at first use; else None."""
+        if not (self.norm.native_ops and self.layers[0].self_attn.native_ops):
+            return None
+        if "_chain_c" not in self.__dict__:
+            from ..layer_stack import EagleChain
+            self.__dict__["_chain_c"] = EagleChain.build(self)
+        return self.__dict__["_chain_c"]
 
     @torch.inference_mode()
     def propose_many(self, states: list[Eagle3State], ctxs: list[Context], num_tokens: list[int],

@@ -165,3 +165,83 @@ int draft_layer_bf16(const void *const *lw, int64_t l, const uint16_t *attn_in, 
     release(&s);
     return status == 0 ? 0 : -1;
 }
+
+// ------------------------------------------------------------------ an EAGLE-3 chain in one call
+//
+// Eagle3Drafter.propose_many's greedy chain for one request, step for step with the same kernels
+// on the same inputs (so the same bits; tests/test_layer_stack.py), without the ~0.3 ms of Python
+// between them a step costs (module calls, tensor allocations, ctypes conversions):
+//     g  = fc([fc_norm_i(tap_i)]_i)                    the newest verified pair's fused feature
+//     a  = layer([input_norm(embed[pending]), hidden_norm(g)], residual g)   at position p0
+//     step j = 0..k-1:
+//         d_j = argmax lm_head(norm(a)) (the first largest; the first NaN), token_j = d_j + d2t[d_j]
+//         a   = layer([input_norm(embed[token_j]), hidden_norm(h)], residual h) at p0 + j + 1,
+//               h = norm(a) if norm_output else a       (not after the last step)
+// (residual = hidden_norm(h) instead where norm_before_residual.) `ew` holds the drafter's own
+// weights in this order (EAGLE_WEIGHTS): fc (qw, dw, mw), input_layernorm, hidden_norm, norm,
+// lm_head (qw, dw, mw), then one fc_norm weight per tap (absent: NULL, the taps go in unnormed).
+// lw is the layer (layer_stack.DraftLayer's pointers); taps [ntaps, Ht] bf16; embed [V, H] bf16;
+// cos, sin [k, hd] bf16 (positions p0..p0 + k - 1); kc, vc the layer's caches [nkv, cap, hd], which
+// must hold position p0 + k - 1. Writes the k target ids to tokens. Returns 0, or -1 if memory
+// could not be allocated.
+enum { FC_QW, FC_DW, FC_MW, EAGLE_INPUT_NORM, EAGLE_HIDDEN_NORM, EAGLE_NORM, HEAD_QW, HEAD_DW, HEAD_MW, FC_NORMS };
+
+static inline float bf16_float(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+int eagle_chain_bf16(const void *const *lw, const void *const *ew, int64_t H, int64_t I, int64_t nh, int64_t nkv,
+                     int64_t hd, float eps, int norm_output, int norm_before_residual, const uint16_t *taps,
+                     int64_t ntaps, int64_t Ht, const uint16_t *embed, int64_t pending, const int64_t *d2t,
+                     int64_t draft_vocab, const uint16_t *cos, const uint16_t *sin, int64_t p0, int64_t cap,
+                     uint16_t *kc, uint16_t *vc, int64_t k, int64_t *tokens) {
+    Scratch s;
+    int status = scratch(&s, 1, 2 * H, H, I, nh, nkv, hd);
+    uint16_t *fused = malloc(ntaps * Ht * sizeof(uint16_t)), *attn_in = malloc(2 * H * sizeof(uint16_t));
+    uint16_t *a = malloc(H * sizeof(uint16_t)), *h = malloc(H * sizeof(uint16_t));
+    uint16_t *logits = malloc(draft_vocab * sizeof(uint16_t));
+    if (status != 0 || !fused || !attn_in || !a || !h || !logits) status = -1;
+    if (status == 0) {   // g = fc(normed taps), into h: the first step's hidden input
+        for (int64_t i = 0; i < ntaps; i++) {
+            if (ew[FC_NORMS + i] != NULL)
+                rms_norm(taps + i * Ht, ew[FC_NORMS + i], eps, 1, Ht, fused + i * Ht);
+            else
+                memcpy(fused + i * Ht, taps + i * Ht, Ht * sizeof(uint16_t));
+        }
+        status = matmul(fused, 1, 1, ntaps * Ht, ew[FC_QW], ew[FC_DW], ew[FC_MW], H, h, 1);
+    }
+    int64_t token = pending;
+    for (int64_t j = 0; j <= k && status == 0; j++) {
+        if (j > 0) {   // the head on the last step's output: draft token j - 1
+            rms_norm(a, ew[EAGLE_NORM], eps, 1, H, s.xn);
+            status = matmul(s.xn, 1, 1, H, ew[HEAD_QW], ew[HEAD_DW], ew[HEAD_MW], draft_vocab, logits, 1);
+            int64_t best = 0;
+            float top = bf16_float(logits[0]);
+            for (int64_t d = 1; d < draft_vocab && top == top; d++) {
+                const float v = bf16_float(logits[d]);
+                if (v > top || v != v) top = v, best = d;
+            }
+            token = tokens[j - 1] = best + d2t[best];
+            if (j == k) break;
+            if (norm_output) memcpy(h, s.xn, H * sizeof(uint16_t));   // norm(a), as the head read it
+            else memcpy(h, a, H * sizeof(uint16_t));
+        }
+        // the layer on (embed[token], h) at position p0 + j, residual h (or hidden_norm(h))
+        rms_norm(embed + token * H, ew[EAGLE_INPUT_NORM], eps, 1, H, attn_in);
+        rms_norm(h, ew[EAGLE_HIDDEN_NORM], eps, 1, H, attn_in + H);
+        memcpy(a, norm_before_residual ? attn_in + H : h, H * sizeof(uint16_t));
+        const int64_t rows = 1, start = p0 + j;
+        status = one_layer(lw, 0, attn_in, 2 * H, H, I, nh, nkv, hd, eps, a, 1, cos + j * hd, sin + j * hd, 1, &rows,
+                           &start, &cap, &kc, &vc, NULL, NULL, s.xn, s.wide, s.mid, s.back);
+    }
+    release(&s);
+    free(fused);
+    free(attn_in);
+    free(a);
+    free(h);
+    free(logits);
+    return status == 0 ? 0 : -1;
+}
