@@ -63,8 +63,7 @@ class NgramDrafter(Drafter):
         within a request, so the last answer is kept: a router asking first costs no second search."""
         if state.last is not None and state.last[0] == n:
             return state.last[1]
-        self._index(state, ids, n)
-        pending = int(ids[n])
+        pending = self._index(state, ids, n)
         seq = state.tokens   # ids[:n]; the suffix searched for is its end plus the pending token
         match = (0, 0)
         for size in range(min(self.cfg.max_ngram, n), self.cfg.min_ngram - 1, -1):
@@ -95,21 +94,24 @@ class NgramDrafter(Drafter):
         end = min(start + length, n + 1)
         return state.tokens[start:min(end, n)] + ([state.tokens[start - 1]] if end > n else [])
 
-    def _index(self, state: NgramState, ids: torch.Tensor, n: int) -> None:
+    def _index(self, state: NgramState, ids: torch.Tensor, n: int) -> int:
         """Bring state.grams up to ids[:n] (read on the host once per token: on a GPU each search
-        would otherwise wait for the device). A context that shrank (not within one request) is
-        indexed afresh."""
+        would otherwise wait for the device) and return the pending token ids[n], read in the same
+        host copy (one tensor read a round: each costs microseconds of the router's time). A
+        context that shrank (not within one request) is indexed afresh."""
         if n < len(state.tokens):
             state.grams, state.tokens = {}, []
         old = len(state.tokens)
-        if n == old:
-            return
-        state.tokens.extend(ids[old:n].tolist())
+        *new, pending = ids[old:n + 1].tolist()
+        if not new:
+            return pending
+        state.tokens.extend(new)
         seq = state.tokens
         for size in range(self.cfg.min_ngram, self.cfg.max_ngram + 1):
             grams = state.grams.setdefault(size, {})
             for start in range(max(old - size + 1, 0), n - size + 1):   # the n-grams ending at old..n-1
                 grams[tuple(seq[start:start + size])] = start
+        return pending
 
     def propose(self, state: NgramState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
         size, start = self.match(state, ctx.ids, ctx.n)
