@@ -94,7 +94,10 @@ def test_light_formats_keep_the_greedy_choice_of_the_dense_target():
 
 def test_int8_drafters_propose_what_the_dense_ones_do_on_a_real_context():
     """A light target (--weights int4/int8) gets int8 drafters; they must still draft (nearly) the
-    same tokens, since acceptance is all a drafter's numerics can change (the target verifies)."""
+    same tokens, since acceptance is all a drafter's numerics can change (the target verifies).
+    Pooled over four prompts: one prompt's 29 drafting positions agree within a few points of 0.9
+    either way as the drafter is retrained (EAGLE-3 rounds thirteen and fifteen, bf16 on a Xeon:
+    0.87-0.94 a prompt, 0.911 and 0.906 pooled), while a broken quantization agrees near 0."""
     import copy
 
     from whiflash_core.chat import encode_chat
@@ -104,23 +107,28 @@ def test_int8_drafters_propose_what_the_dense_ones_do_on_a_real_context():
 
     engine = load_engine(dtype="bfloat16")
     target, tok = engine.target, engine.tokenizer
-    ids = encode_chat(tok, [{"role": "user", "content": "List three uses of a hash map in Python."}])
     taps = engine.tap_layers
-    with torch.inference_mode():
-        out = target(torch.tensor(ids), target.new_cache(len(ids) + 8), taps=taps)
+    prompts = ["List three uses of a hash map in Python.", "Write a short poem about autumn leaves.",
+               "Explain how vaccines train the immune system.", "Translate 'good morning, how are you' into French."]
+    contexts = []
+    for prompt in prompts:
+        ids = encode_chat(tok, [{"role": "user", "content": prompt}])
+        with torch.inference_mode():
+            out = target(torch.tensor(ids), target.new_cache(len(ids) + 8), taps=taps)
+        # draft from each of the last 29 prompt positions
+        contexts += [(len(ids), Context(torch.tensor(ids), n, out.taps, taps)) for n in range(len(ids) - 30, len(ids) - 1)]
     for name in ("eagle3", "dflash"):
         dense = engine.drafters[name]
         light = copy.deepcopy(dense)
         assert quantize_int8(light) > 5
         assert all(not isinstance(m, torch.nn.Linear) for m in light.modules())
         agree = total = 0
-        for n in range(len(ids) - 30, len(ids) - 1):  # draft from each of the last 29 prompt positions
-            ctx = Context(torch.tensor(ids), n, out.taps, taps)
-            a = dense.propose(dense.new_state(len(ids) + 16), ctx, 3, DraftSampling()).tokens
-            b = light.propose(light.new_state(len(ids) + 16), ctx, 3, DraftSampling()).tokens
+        for length, ctx in contexts:
+            a = dense.propose(dense.new_state(length + 16), ctx, 3, DraftSampling()).tokens
+            b = light.propose(light.new_state(length + 16), ctx, 3, DraftSampling()).tokens
             agree += int((a == b).sum())
             total += a.numel()
-        assert agree / total > 0.9, (name, agree, total)
+        assert agree / total > 0.85, (name, agree, total)
 
 
 @pytest.mark.parametrize("kind", list(HEAD_KINDS))
