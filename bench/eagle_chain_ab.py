@@ -10,6 +10,8 @@ in the order of the arms for even prompts and reversed for odd ones, so that a d
 machine's speed falls on all arms alike. Both chains give the same draft tokens (bit for bit,
 tests/test_layer_stack.py), so each method emits the same tokens in both arms; the difference is
 time. Greedy, 128 tokens, decode tokens/s (prefill excluded) per arm and category, ratios to `none`.
+With `--compare catch-up` the "py" arms keep the chain in C and only move the KV-only catch-up of
+verified pairs back to the module path (what `eagle_catch_up_bf16` alone gains).
 """
 from __future__ import annotations
 
@@ -38,13 +40,17 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=3, help="prompts per category")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--compare", choices=["chain", "catch-up"], default="chain",
+                    help="what the py arms run step by step: the whole drafter call, or only its catch-up")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
     engine = load_engine(None, None, "bfloat16", threads=args.threads, weights="auto")
     eagle = engine.drafters["eagle3"]
-    if eagle._chain() is None:
+    chain = eagle._chain()
+    if chain is None:
         sys.exit("the EAGLE-3 chain does not run in C here (not the q4_1 format, or no C compiler)")
+    catch_up_rows = chain.catch_up_rows
     prompts = load_workload(args.workload, limit=args.limit)
     totals = collections.defaultdict(lambda: [0, 0.0, 0])          # arm -> tokens, seconds, rounds
     by_category = collections.defaultdict(lambda: [0, 0.0])         # (category, arm) -> tokens, seconds
@@ -52,9 +58,8 @@ def main() -> None:
     for i, p in enumerate(prompts):
         ids = p.ids or encode_chat(engine.tokenizer, p.messages, p.tools)
         for name, method, in_c in (ARMS if i % 2 == 0 else ARMS[::-1]):
-            eagle.__dict__.pop("_chain_c", None)   # built again at first use, or switched off
-            if not in_c:
-                eagle.__dict__["_chain_c"] = None
+            eagle.__dict__["_chain_c"] = chain if in_c or args.compare == "catch-up" else None
+            chain.catch_up_rows = catch_up_rows if in_c or args.compare == "chain" else 0
             g = engine.start(GenerationRequest(ids, args.max_tokens, speculation=SpeculationConfig(method)))
             g.prefill()
             t0 = time.perf_counter()
@@ -66,7 +71,7 @@ def main() -> None:
             c = by_category[(p.category, name)]
             c[0], c[1] = c[0] + len(g.output), c[1] + seconds
             outputs[name].append(list(g.output))
-    eagle.__dict__.pop("_chain_c", None)
+    eagle.__dict__["_chain_c"], chain.catch_up_rows = chain, catch_up_rows
     base = totals["none"][0] / totals["none"][1]
     summary = {name: {"tokens": n, "decode_s": round(s, 3), "tokens_per_s": round(n / s, 2),
                       "ratio_to_none": round(n / s / base, 3), "acceptance_length": round(n / r, 3)}
@@ -84,7 +89,7 @@ def main() -> None:
         with open(args.out, "w") as f:
             json.dump({"command": " ".join(["python"] + sys.argv), "git": git_info(),
                        "machine": machine_info("bfloat16", args.threads), "formats": str(engine.target.formats),
-                       "prompts": len(prompts), "summary": summary, "identical_outputs": same,
+                       "compare": args.compare, "prompts": len(prompts), "summary": summary, "identical_outputs": same,
                        "tokens_per_s_by_category": table}, f, indent=1)
 
 

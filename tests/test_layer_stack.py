@@ -237,9 +237,10 @@ def test_more_rows_than_the_stack_takes_run_through_it_in_chunks(monkeypatch, t,
 
 @pytest.mark.parametrize("fc_norm,norm_output", [(True, False), (False, True)])
 def test_an_eagle3_chain_in_one_c_call_is_the_step_by_step_chain(fc_norm, norm_output):
-    """Eagle3Drafter.propose for one greedy request runs its whole chain in C (layer_stack.EagleChain):
-    the same draft tokens and the same drafter-cache K/V, bit for bit, as propose_many's step-by-step
-    path over the same kernels, for chains of 1 to 6 tokens, with and without fc norms."""
+    """Eagle3Drafter.propose for one greedy request runs its catch-up and its whole chain in C
+    (layer_stack.EagleChain): the same draft tokens and the same drafter-cache K/V, bit for bit, as
+    the module path over the same kernels (the chain switched off), for chains of 1 to 6 tokens
+    after catch-ups of 1 to 69 positions, with and without fc norms."""
     from whiflash_core import layer_stack as ls
     from whiflash_core.drafters.base import Context, DraftSampling
     from whiflash_core.drafters.eagle3 import Eagle3Config, Eagle3Drafter
@@ -260,16 +261,26 @@ def test_an_eagle3_chain_in_one_c_call_is_the_step_by_step_chain(fc_norm, norm_o
     n = 70
     ids = torch.randint(0, cfg.vocab_size, (n + 8,), generator=torch.Generator().manual_seed(2))
     taps = (torch.randn(n + 8, 3, cfg.hidden_size, generator=torch.Generator().manual_seed(4)) * 2).bfloat16()
-    for k in (1, 3, 6):
-        ctx = Context(ids, n, taps, drafter.tap_layers)
-        one, many = drafter.new_state(n + 1), drafter.new_state(n + 1)   # both grow to hold the chain
-        got = drafter.propose(one, ctx, k, DraftSampling())
-        ref = drafter.propose_many([many], [ctx], [k], [DraftSampling()])[0]
-        assert got.tokens.shape == (k,) and torch.equal(got.tokens, ref.tokens)
-        assert (one.n_seen, one.cache.length) == (many.n_seen, many.cache.length) == (n, n)
-        end = n + k - 1   # the chain's own positions too: the same K/V written by the same kernels
-        assert torch.equal(one.cache.k[:, :, :end], many.cache.k[:, :, :end])
-        assert torch.equal(one.cache.v[:, :, :end], many.cache.v[:, :, :end])
+
+    def draft(in_c: bool, k: int, seen: int):
+        """A state caught up to `seen` positions, then a k-token draft at n."""
+        drafter.__dict__["_chain_c"] = chain if in_c else None
+        state = drafter.new_state(n + 1)   # grows to hold the chain
+        if seen:
+            drafter.catch_up(state, Context(ids, seen + 1, taps, drafter.tap_layers))
+        out = drafter.propose(state, Context(ids, n, taps, drafter.tap_layers), k, DraftSampling())
+        return out.tokens, state
+
+    try:
+        for k, seen in ((1, 0), (3, 68), (6, 40)):
+            (got, one), (ref, many) = draft(True, k, seen), draft(False, k, seen)
+            assert got.shape == (k,) and torch.equal(got, ref)
+            assert (one.n_seen, one.cache.length) == (many.n_seen, many.cache.length) == (n, n)
+            end = n + k - 1   # the chain's own positions too: the same K/V written by the same kernels
+            assert torch.equal(one.cache.k[:, :, :end], many.cache.k[:, :, :end])
+            assert torch.equal(one.cache.v[:, :, :end], many.cache.v[:, :, :end])
+    finally:
+        drafter.__dict__["_chain_c"] = chain
     # where a piece has no C kernel the drafter keeps its module path
     for m in drafter.modules():
         if hasattr(m, "native_ops"):

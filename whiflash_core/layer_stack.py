@@ -47,6 +47,12 @@ def _library() -> ctypes.CDLL | None:
     lib.eagle_chain_bf16.argtypes = [p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, p,
                                      i64, i64, p, i64, p, i64, p, p, i64, i64, p, p, i64, p]
     lib.eagle_chain_bf16.restype = ctypes.c_int
+    lib.layers_use_rope_append.argtypes = [p]
+    lib.layers_use_rope_append.restype = None
+    lib.layers_use_rope_append(address(ops.rope_append_bf16))
+    lib.eagle_catch_up_bf16.argtypes = [p, p, i64, i64, i64, ctypes.c_float, p, i64, i64, p, p, p, p, i64, i64, p, p,
+                                        i64]
+    lib.eagle_catch_up_bf16.restype = ctypes.c_int
     return lib
 
 
@@ -221,7 +227,8 @@ class EagleChain:
     """An EAGLE-3 drafter's greedy chain for one request in one call (kernels/layers.c's
     `eagle_chain_bf16`): the fused feature, the first step, every head and argmax and every chain
     step, with the very kernels the module path calls in the same order (the same bits,
-    tests/test_layer_stack.py), where Python between them cost ~0.3 ms a step. It applies to a
+    tests/test_layer_stack.py), where Python between them cost ~0.3 ms a step; and its KV-only
+    catch-up on verified pairs (`eagle_catch_up_bf16`), likewise. It applies to a
     one-layer drafter whose layer runs in C (DraftLayer), with Q4_1 fc and head, bf16 norms in C
     (one eps) and no norm before fc; otherwise the drafter keeps its module path."""
 
@@ -238,6 +245,12 @@ class EagleChain:
         self.embed = drafter.embed_tokens.weight
         self.d2t = drafter.d2t
         self.vocab = drafter.lm_head.out_features
+        attn = first.self_attn
+        self.kv = [*_blocks(attn.k_proj), *_blocks(attn.v_proj)]
+        self.kv_weights = pointers([t.data_ptr() for t in self.kv])
+        # catch-ups of fewer rows than this take the C call; longer ones (a prompt) keep the module
+        # path, whose linears multiply by their dense copies from there
+        self.catch_up_rows = min(m.dense_from_rows for m in (drafter.fc, attn.k_proj, attn.v_proj))
 
     @classmethod
     def build(cls, drafter) -> "EagleChain | None":
@@ -249,7 +262,9 @@ class EagleChain:
         layer = drafter.layers[0].native_layer(0)
         norms = [drafter.norm, drafter.layers[0].input_layernorm, drafter.layers[0].hidden_norm,
                  *(drafter.fc_norm or [])]
-        if (layer is None or not all(isinstance(m, Q41Linear) for m in (drafter.fc, drafter.lm_head))
+        attn = drafter.layers[0].self_attn
+        if (layer is None or not all(isinstance(m, Q41Linear)
+                                     for m in (drafter.fc, drafter.lm_head, attn.k_proj, attn.v_proj))
                 or not all(n.native_ops and n.weight.dtype == torch.bfloat16 and n.eps == drafter.cfg.rms_norm_eps
                            for n in norms)
                 or drafter.embed_tokens.weight.dtype != torch.bfloat16 or not drafter.embed_tokens.weight.is_contiguous()
@@ -276,3 +291,19 @@ class EagleChain:
         if status != 0:
             raise MemoryError(f"the EAGLE-3 chain could not allocate scratch for {k} steps")
         return tokens
+
+    def catch_up(self, taps: torch.Tensor, tokens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, start: int,
+                 cache) -> None:
+        """Eagle3Drafter.catch_up's KV-only rows in one call (kernels/layers.c's `eagle_catch_up_bf16`,
+        the module path's bits): taps [T, n_taps, tap_width] bf16 and tokens [T] of the verified
+        pairs at positions start..start + T - 1, cos, sin [T, hd] theirs; `cache` holds them."""
+        L = self.layer
+        T = taps.shape[0]
+        taps, cos, sin = taps.contiguous(), cos.contiguous(), sin.contiguous()
+        tokens = tokens.to(torch.long).contiguous()
+        status = _library().eagle_catch_up_bf16(
+            self.weights, self.kv_weights, L.hidden, L.nkv, L.hd, self.eps, taps.data_ptr(), self.n_taps,
+            self.tap_width, self.embed.data_ptr(), tokens.data_ptr(), cos.data_ptr(), sin.data_ptr(), start,
+            cache.capacity, cache.k.data_ptr(), cache.v.data_ptr(), T)
+        if status != 0:
+            raise MemoryError(f"the EAGLE-3 catch-up could not allocate scratch for {T} rows")

@@ -263,6 +263,14 @@ class Eagle3Drafter(Drafter, nn.Module):
         start, end = state.n_seen, ctx.n - 1
         if start >= end:
             return
+        chain = self._chain() if ctx.taps.dtype == torch.bfloat16 else None
+        if chain is not None and end - start < chain.catch_up_rows:   # the same rows in one C call
+            state.cache.ensure(end)
+            cos, sin = self.rotary.tables(slice(start, end), torch.bfloat16)
+            chain.catch_up(ctx.features(self.tap_layers, start, end), ctx.ids[start + 1:end + 1], cos, sin, start,
+                           state.cache)
+            state.n_seen = state.cache.length = end
+            return
         g = self.fuse(ctx.features(self.tap_layers, start, end))
         self.run(state.cache, self.embed_tokens(ctx.ids[start + 1:end + 1]), g, start, full_from=end - start)
         state.n_seen = state.cache.length = end

@@ -546,6 +546,19 @@ static void rotate_and_append(const uint16_t *qkv, const uint16_t *cos, const ui
     }
 }
 
+// attend_rows_bf16's rotary and cache append without the attention, for keys and values that are
+// all a row leaves behind (a drafter's KV-only catch-up): k, v bf16 [t, nkv hd] (their own
+// projections), cos, sin [t, hd]; the rotated keys and the values go into the layer's cache at
+// positions start..start+t-1, rotated as `rope` rotates (PyTorch's bits, as attend_rows_bf16's).
+void rope_append_bf16(const uint16_t *k, const uint16_t *v, const uint16_t *cos, const uint16_t *sin, uint16_t *kc,
+                      uint16_t *vc, int64_t cap, int64_t start, int64_t t, int64_t nkv, int64_t hd) {
+    for (int64_t i = 0; i < t; i++)
+        for (int64_t h = 0; h < nkv; h++) {
+            rope(k + (i * nkv + h) * hd, cos + i * hd, sin + i * hd, hd, kc + (h * cap + start + i) * hd);
+            memcpy(vc + (h * cap + start + i) * hd, v + (i * nkv + h) * hd, hd * sizeof(uint16_t));
+        }
+}
+
 // Does a call with nq queries per kv head take the lanes path (attend_lanes)?
 static inline int takes_lanes(int64_t nq) {
 #if defined(__AVX512F__)

@@ -36,7 +36,12 @@ typedef int (*attend_segments_fn)(const uint16_t *qkv, const uint16_t *cos, cons
                                   uint16_t *const *vc, const int64_t *lead, const int64_t *shared, int64_t nh,
                                   int64_t nkv, int64_t hd, uint16_t *out);
 
+typedef void (*rope_append_fn)(const uint16_t *k, const uint16_t *v, const uint16_t *cos, const uint16_t *sin,
+                               uint16_t *kc, uint16_t *vc, int64_t cap, int64_t start, int64_t t, int64_t nkv,
+                               int64_t hd);
+
 static matmul_fn matmul;
+static rope_append_fn rope_append;
 static norm_fn rms_norm;
 static silu_fn silu_mul;
 static attend_fn attend;
@@ -49,6 +54,8 @@ void layers_use(void *mm, void *norm, void *silu, void *att, void *att_segments)
     attend = (attend_fn)att;
     attend_segments = (attend_segments_fn)att_segments;
 }
+
+void layers_use_rope_append(void *fn) { rope_append = (rope_append_fn)fn; }
 
 // A layer's weights: pointers in this order, WEIGHTS_PER_LAYER of them per layer (layer_stack.py
 // writes them); a linear is its Q4_1 blocks qw, dw, mw as kernels/q4_1.c lays them out.
@@ -243,5 +250,48 @@ int eagle_chain_bf16(const void *const *lw, const void *const *ew, int64_t H, in
     free(a);
     free(h);
     free(logits);
+    return status == 0 ? 0 : -1;
+}
+
+// Eagle3Drafter.catch_up's KV-only prefill of T verified pairs (positions start..start+T-1) in one
+// call, as the module path computes it: g = fc([fc_norm_i(tap_i)]_i), x = [input_norm(embed[token]),
+// hidden_norm(g)], then k_proj(x) rotated and v_proj(x) into the layer's cache (rope_append_bf16)
+// and nothing else (the queries of these rows are never needed). ew as eagle_chain_bf16's; kv the
+// k_proj and v_proj blocks (qw, dw, mw each); taps [T, ntaps, Ht] bf16; tokens [T] the token of
+// each pair; cos, sin [T, hd]. Returns 0, or -1 if memory could not be allocated.
+int eagle_catch_up_bf16(const void *const *ew, const void *const *kv, int64_t H, int64_t nkv, int64_t hd, float eps,
+                        const uint16_t *taps, int64_t ntaps, int64_t Ht, const uint16_t *embed, const int64_t *tokens,
+                        const uint16_t *cos, const uint16_t *sin, int64_t start, int64_t cap, uint16_t *kc,
+                        uint16_t *vc, int64_t T) {
+    const int64_t F = ntaps * Ht, width = nkv * hd, in = 2 * H;
+    uint16_t *rows = malloc(T * (Ht > H ? Ht : H) * sizeof(uint16_t)), *normed = malloc(T * (Ht > H ? Ht : H) * sizeof(uint16_t));
+    uint16_t *fused = malloc(T * F * sizeof(uint16_t)), *g = malloc(T * H * sizeof(uint16_t));
+    uint16_t *x = malloc(T * in * sizeof(uint16_t)), *k = malloc(T * width * sizeof(uint16_t));
+    uint16_t *v = malloc(T * width * sizeof(uint16_t));
+    int status = (rows && normed && fused && g && x && k && v) ? 0 : -1;
+    for (int64_t i = 0; i < ntaps && status == 0; i++) {   // tap i of every row, normed as one [T, Ht] call
+        for (int64_t r = 0; r < T; r++) memcpy(rows + r * Ht, taps + (r * ntaps + i) * Ht, Ht * sizeof(uint16_t));
+        if (ew[FC_NORMS + i] != NULL) rms_norm(rows, ew[FC_NORMS + i], eps, T, Ht, normed);
+        for (int64_t r = 0; r < T; r++)
+            memcpy(fused + r * F + i * Ht, ew[FC_NORMS + i] != NULL ? normed + r * Ht : rows + r * Ht, Ht * sizeof(uint16_t));
+    }
+    if (status == 0) status = matmul(fused, 1, T, F, ew[FC_QW], ew[FC_DW], ew[FC_MW], H, g, 1);
+    if (status == 0) {
+        for (int64_t r = 0; r < T; r++) memcpy(rows + r * H, embed + tokens[r] * H, H * sizeof(uint16_t));
+        rms_norm(rows, ew[EAGLE_INPUT_NORM], eps, T, H, normed);
+        for (int64_t r = 0; r < T; r++) memcpy(x + r * in, normed + r * H, H * sizeof(uint16_t));
+        rms_norm(g, ew[EAGLE_HIDDEN_NORM], eps, T, H, normed);
+        for (int64_t r = 0; r < T; r++) memcpy(x + r * in + H, normed + r * H, H * sizeof(uint16_t));
+        status = matmul(x, 1, T, in, kv[0], kv[1], kv[2], width, k, 1);
+        if (status == 0) status = matmul(x, 1, T, in, kv[3], kv[4], kv[5], width, v, 1);
+    }
+    if (status == 0) rope_append(k, v, cos, sin, kc, vc, cap, start, T, nkv, hd);
+    free(rows);
+    free(normed);
+    free(fused);
+    free(g);
+    free(x);
+    free(k);
+    free(v);
     return status == 0 ? 0 : -1;
 }
