@@ -33,11 +33,11 @@ def _library() -> ctypes.CDLL | None:
     if lib is None:
         return None
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.layers_use.argtypes = [p, p, p, p, p]
+    lib.layers_use.argtypes = [p, p, p, p, p, p]
     lib.layers_use.restype = None
     address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
     lib.layers_use(address(kernels.q4_1_matmul), address(ops.rms_norm_bf16), address(ops.silu_mul_bf16),
-                   address(ops.attend_rows_bf16), address(ops.attend_segments_bf16))
+                   address(ops.attend_rows_bf16), address(ops.attend_segments_bf16), address(ops.rope_append_bf16))
     lib.layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, i64,
                                 p, p, p, p, p, p, p, p, i64, p]
     lib.layers_bf16.restype = ctypes.c_int
@@ -47,9 +47,6 @@ def _library() -> ctypes.CDLL | None:
     lib.eagle_chain_bf16.argtypes = [p, p, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, p,
                                      i64, i64, p, i64, p, i64, p, p, i64, i64, p, p, i64, p]
     lib.eagle_chain_bf16.restype = ctypes.c_int
-    lib.layers_use_rope_append.argtypes = [p]
-    lib.layers_use_rope_append.restype = None
-    lib.layers_use_rope_append(address(ops.rope_append_bf16))
     lib.eagle_catch_up_bf16.argtypes = [p, p, i64, i64, i64, ctypes.c_float, p, i64, i64, p, p, p, p, i64, i64, p, p,
                                         i64]
     lib.eagle_catch_up_bf16.restype = ctypes.c_int

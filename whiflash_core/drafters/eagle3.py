@@ -263,7 +263,7 @@ class Eagle3Drafter(Drafter, nn.Module):
         start, end = state.n_seen, ctx.n - 1
         if start >= end:
             return
-        chain = self._chain() if ctx.taps.dtype == torch.bfloat16 else None
+        chain = self._chain(ctx)
         if chain is not None and end - start < chain.catch_up_rows:   # the same rows in one C call
             state.cache.ensure(end)
             cos, sin = self.rotary.tables(slice(start, end), torch.bfloat16)
@@ -300,7 +300,7 @@ class Eagle3Drafter(Drafter, nn.Module):
 
     @torch.inference_mode()
     def propose(self, state: Eagle3State, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
-        chain = self._chain() if sampling.greedy and num_tokens > 0 and ctx.taps.dtype == torch.bfloat16 else None
+        chain = self._chain(ctx) if sampling.greedy and num_tokens > 0 else None
         if chain is None:
             return self.propose_many([state], [ctx], [num_tokens], [sampling])[0]
         # propose_many's greedy chain for this one request, all of it in one C call (same bits)
@@ -311,12 +311,13 @@ class Eagle3Drafter(Drafter, nn.Module):
         tokens = chain.run(ctx.features(self.tap_layers, n - 1, n)[0], int(ctx.ids[n]), cos, sin, n - 1,
                            state.cache, num_tokens)
         state.n_seen = state.cache.length = n
-        return Draft(tokens.to(ctx.ids.device))
+        return Draft(tokens)   # the chain runs on the CPU only (bf16 C kernels)
 
-    def _chain(self):
-        """The greedy chain in C (layer_stack.EagleChain) where it applies with the native ops on,
-        built at first use; else None."""
-        if not (self.norm.native_ops and self.layers[0].self_attn.native_ops):
+    def _chain(self, ctx: Context | None = None):
+        """The greedy chain in C (layer_stack.EagleChain) where it applies with the native ops on
+        (and to ctx's taps: bf16), built at first use; else None."""
+        if not (self.norm.native_ops and self.layers[0].self_attn.native_ops) or (
+                ctx is not None and ctx.taps.dtype != torch.bfloat16):
             return None
         if "_chain_c" not in self.__dict__:
             from ..layer_stack import EagleChain

@@ -47,15 +47,14 @@ static silu_fn silu_mul;
 static attend_fn attend;
 static attend_segments_fn attend_segments;
 
-void layers_use(void *mm, void *norm, void *silu, void *att, void *att_segments) {
+void layers_use(void *mm, void *norm, void *silu, void *att, void *att_segments, void *rope_kv) {
     matmul = (matmul_fn)mm;
     rms_norm = (norm_fn)norm;
     silu_mul = (silu_fn)silu;
     attend = (attend_fn)att;
     attend_segments = (attend_segments_fn)att_segments;
+    rope_append = (rope_append_fn)rope_kv;
 }
-
-void layers_use_rope_append(void *fn) { rope_append = (rope_append_fn)fn; }
 
 // A layer's weights: pointers in this order, WEIGHTS_PER_LAYER of them per layer (layer_stack.py
 // writes them); a linear is its Q4_1 blocks qw, dw, mw as kernels/q4_1.c lays them out.
