@@ -375,7 +375,7 @@ static inline __attribute__((always_inline)) void attend_few_task(const int64_t 
     for (int64_t e = 0; e < nk * hd; e += 16) _mm512_store_ps(kf + e, load16_bf16(kg + e));
     for (int64_t e = nk * hd; e < blocks * 16 * hd; e += 16) _mm512_store_ps(kf + e, _mm512_setzero_ps());
 #endif
-    int64_t n[FEW_QUERIES], n_max = 0;
+    int64_t n[FEW_QUERIES], n_max = 0, first = -1;
     float m[FEW_QUERIES], l[FEW_QUERIES];
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -390,6 +390,7 @@ static inline __attribute__((always_inline)) void attend_few_task(const int64_t 
             continue;
         }
         n_max = n[qi] > n_max ? n[qi] : n_max;
+        if (first < 0) first = qi;
         __m512 mv = ninf;
 #if DOT_BF16
         __m512bh qp[8];   // the query's bf16 pairs, 32 a vector
@@ -402,6 +403,20 @@ static inline __attribute__((always_inline)) void attend_few_task(const int64_t 
 #endif
         for (int64_t b = 0; b < blocks; b++) {   // 16 keys' scores: 16 independent FMA chains
             __m512 a[16];
+            // The first query's pass asks for this block's values (read after the scores) and the
+            // next chunk's keys (the next task's, one thread taking the chunks in order): over a
+            // long context the K/V come from L3 or memory, and the hardware prefetcher stops at
+            // each 4 KB page (32 keys). Measured (one process, prefetch off/on interleaved, Xeon
+            // with AMX, one thread, a training job on the other core): one row over 900 cached
+            // keys 8.56 -> 8.02 ms a forward, 8 requests' rows 32.8 -> 30.2 ms; shared_step 8
+            // streams 272 -> 282 tokens per CPU-second. (The same in the lanes path lost 1-2 %.)
+            if (qi == first) {
+                const char *vb = (const char *)(vg + b * 16 * hd), *kn = (const char *)(kg + (CHUNK + b * 16) * hd);
+                for (int64_t e = 0; e < 32 * hd; e += 64) {
+                    _mm_prefetch(vb + e, _MM_HINT_T0);
+                    _mm_prefetch(kn + e, _MM_HINT_T0);
+                }
+            }
 #if DOT_BF16
             const uint16_t *kb = kg + b * 16 * hd;
 #pragma GCC unroll 16
