@@ -19,6 +19,9 @@ extra N-stream run.
 The repetitions interleave the stream counts (1, 8, 1, 8, ...); take min or median over them.
 `--ab-prefix-reads` runs each count twice a repetition, with requests that share a cached prefix
 reading it once for all (the engine's way) and each from its own cache, and reports the ratio.
+`--ab-context` likewise with shared steps priced by each request's context (costs.py: a verify
+row's attention by the request's cached positions, CostModel.per_position) and without (the
+shared-forward table as timed, over 256 cached positions a request).
 """
 from __future__ import annotations
 
@@ -192,8 +195,12 @@ def main() -> None:
     ap.add_argument("--ab-prefix-reads", action="store_true",
                     help="also run each stream count with every request reading its cached prefix from its own "
                          "cache (layer_stack.shared_prefixes off), interleaved: what reading a shared prefix once gains")
+    ap.add_argument("--ab-context", action="store_true",
+                    help="also run each stream count with the router's context terms off, interleaved")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.ab_prefix_reads and args.ab_context:
+        ap.error("one A/B at a time")
 
     engine = load_engine(None, None, args.dtype, threads=args.threads, weights=args.weights)
     torch.set_num_threads(args.threads)
@@ -207,29 +214,37 @@ def main() -> None:
     run(engine, requests, max(args.streams), 4)   # warm-up: kernels, grammar, prefix cache
     runs = []
     shared_prefixes = layer_stack.shared_prefixes
-    variants = ["shared", "own"] if args.ab_prefix_reads else ["shared"]
+    costs = engine.costs
+    measured = costs.per_position
+    # (what an A/B varies, its arms: the engine's way first)
+    variant, variants = ("context", ["context", "flat"]) if args.ab_context else ("prefix_reads", ["shared", "own"])
+    if not (args.ab_prefix_reads or args.ab_context):
+        variants = variants[:1]
     for rep in range(args.reps):
         for n in args.streams:
-            for prefix_reads in variants:
-                layer_stack.shared_prefixes = shared_prefixes if prefix_reads == "shared" else (lambda segments: None)
+            for arm in variants:
+                layer_stack.shared_prefixes = shared_prefixes if arm != "own" else (lambda segments: None)
+                costs.set_per_position(measured if arm != "flat" else {})
                 spent.clear()
                 r = run(engine, requests, n, rounds[n])
                 r["rep"] = rep
-                if args.ab_prefix_reads:
-                    r["prefix_reads"] = prefix_reads
+                if len(variants) > 1:
+                    r[variant] = arm
                 if args.breakdown:
                     r["breakdown_ms_per_pass"] = {k: round(1000 * v / r["rounds"], 3) for k, v in spent.items()}
                 runs.append(r)
                 print(json.dumps(r), flush=True)
     layer_stack.shared_prefixes = shared_prefixes
+    costs.set_per_position(measured)
     summary = {}
     for n in args.streams:
-        rates = [r["tokens_per_cpu_s"] for r in runs if r["streams"] == n and r.get("prefix_reads", "shared") == "shared"]
+        rates = [r["tokens_per_cpu_s"] for r in runs if r["streams"] == n and r.get(variant, variants[0]) == variants[0]]
         summary[n] = {"median_tokens_per_cpu_s": round(statistics.median(rates), 3), "max": max(rates)}
-        if args.ab_prefix_reads:
-            own = [r["tokens_per_cpu_s"] for r in runs if r["streams"] == n and r["prefix_reads"] == "own"]
-            summary[n]["own_prefix_reads_median"] = round(statistics.median(own), 3)
-            summary[n]["shared_over_own"] = round(summary[n]["median_tokens_per_cpu_s"] / statistics.median(own), 3)
+        if len(variants) > 1:
+            first, other = variants
+            others = [r["tokens_per_cpu_s"] for r in runs if r["streams"] == n and r[variant] == other]
+            summary[n][f"{other}_{variant}_median"] = round(statistics.median(others), 3)
+            summary[n][f"{first}_over_{other}"] = round(summary[n]["median_tokens_per_cpu_s"] / statistics.median(others), 3)
     base = args.streams[0]
     for n in args.streams[1:]:
         summary[n]["median_vs_%d" % base] = round(summary[n]["median_tokens_per_cpu_s"]

@@ -295,3 +295,31 @@ def test_int8_drafters_keep_off_dense_weights_where_dense_gemms_are_slow():
     assert emulated.prefill_dtype == "float32" and native.prefill_dtype == "bfloat16"
     assert drafter_dense_from_rows(emulated) == 10**9
     assert drafter_dense_from_rows(native) == drafter_dense_from_rows(None) == DENSE_FROM_ROWS
+
+
+def test_the_context_table_is_timed_once_and_read_back(tmp_path, monkeypatch, quiet_machine):
+    """The per-cached-position cost of a verify (machine.context_table) is cached like the verify
+    tables: timed at the first start, read back at the next."""
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    target = tiny_target(torch.float32)
+    calls = []
+    monkeypatch.setattr(machine, "_time_context", lambda *a: calls.append(1) or {1: 2.5e-6, 4: 5.25e-6})
+    assert machine.context_table(target) == {1: 2.5e-6, 4: 5.25e-6}
+    assert machine.context_table(target) == {1: 2.5e-6, 4: 5.25e-6} and len(calls) == 1
+    assert len(list(tmp_path.glob("context-*.json"))) == 1
+
+
+def test_a_context_timing_runs_real_forwards_at_both_contexts(monkeypatch):
+    """_time_context on a real (tiny) target: every row count timed after CONTEXT and after
+    LONG_CONTEXT cached positions, each forward from the right cache length. (A tiny model's
+    attention is too cheap to time against the noise; the sizes are bench/context_cost_ab.py's.)"""
+    monkeypatch.setattr(machine, "LONG_CONTEXT", 600)
+    target = tiny_target(torch.float32, layers=2)
+    starts = []
+    forward = type(target).forward
+    monkeypatch.setattr(type(target), "forward", lambda self, tokens, cache, *a, **k: (
+        starts.append((cache.length, tokens.shape[0])), forward(self, tokens, cache, *a, **k))[1])
+    table = machine._time_context(target, (), 2)
+    assert set(table) == set(machine.CONTEXT_ROWS) and min(table.values()) >= 0.0
+    for r in machine.CONTEXT_ROWS:
+        assert starts.count((machine.CONTEXT, r)) >= 2 and starts.count((600, r)) == 2

@@ -11,7 +11,8 @@ from whiflash_core.costs import CostModel, LinearCost, VerifyCost
 from whiflash_core.drafters.base import Context
 from whiflash_core.engine import GenerationRequest, SpeculationConfig
 from whiflash_core.rounds import Round, RoundTimes
-from whiflash_core.router import Candidate, Route, Router, best
+from whiflash_core.machine import CONTEXT
+from whiflash_core.router import Candidate, Route, Router, best, choose_shared
 from whiflash_core.router_mlp import RouterMLP, RouterMLPConfig
 
 # --- the cost model ------------------------------------------------------------------------------
@@ -71,6 +72,52 @@ def test_round_time_adds_catch_up_draft_and_verify():
     assert model.round_time("d", 3, 10) == pytest.approx(0.001 + 0.003 + 0.013)
     assert model.round_time("d", 3, 0) == pytest.approx(0.003 + 0.013)   # nothing to catch up on
     assert model.round_time(None, 0, 0) == pytest.approx(0.010)           # a plain step
+
+
+def test_a_shared_step_is_priced_by_the_table_less_its_attention_plus_each_requests_own():
+    """The shared table is timed over 4-row requests after machine.CONTEXT cached positions each;
+    shared_forward takes that attention off, and each request adds per_position(rows) x its own
+    context (Candidate.attention)."""
+    model = CostModel.with_table({1: 0.010, 4: 0.016}, shared={4: 0.016, 8: 0.020})
+    model.set_per_position({1: 2e-6, 4: 5e-6})
+    shared = model.shared_forward(8)
+    assert shared[8] == pytest.approx(0.020 - 2 * CONTEXT * 5e-6) and shared[4] == pytest.approx(0.016 - CONTEXT * 5e-6)
+    assert model.attention(4, 1000)[4] == pytest.approx(5e-3)
+    assert model.attention(4, 1000)[2] == pytest.approx(1000 * 3e-6)   # interpolated by rows
+    # nothing measured: the table as timed, no attention term
+    flat = CostModel.with_table({1: 0.010, 4: 0.016}, shared={4: 0.016, 8: 0.020})
+    assert flat.shared_forward(8) == flat.shared.estimates(8) and flat.attention(4, 5000) == [0.0] * 5
+
+
+def test_a_request_alone_is_priced_as_timed_whatever_its_context():
+    """Only a shared step reads the context term: a request alone routes by the tables (the term
+    moved its picks without a gain, costs.py), and its candidates carry their attention for
+    choose_shared."""
+    costs = CostModel.with_table({1: 0.010, 4: 0.012})
+    costs.set_per_position({1: 1e-6, 2: 2.2e-6, 4: 4e-6})
+    costs.draft["eagle3"], costs.draft["dflash"] = LinearCost(), LinearCost()
+    costs.draft["eagle3"].add(3, 0.001, decay=1.0)
+    costs.draft["dflash"].add(3, 0.050, decay=1.0)
+    logits = torch.zeros(VOCAB)
+    router, states, ctx = _router(1.0, costs, prompt_lookup=False, num_draft_tokens=3)
+    long_ctx = Context(torch.arange(20_001) % 7, 20_000, ctx.taps, ctx.tap_layers)
+    short, long_ = router.route(states, ctx, logits), router.route(states, long_ctx, logits)
+    assert (short.drafter, short.draft_len, short.expected_s) == (long_.drafter, long_.draft_len, long_.expected_s)
+    assert short.expected_s == pytest.approx(0.001 + 0.012)
+    plain = router.options(states, long_ctx, logits)[0]
+    assert plain.seconds == pytest.approx(0.010) and plain.attention == pytest.approx(0.02)
+
+
+def test_a_shared_step_prices_each_request_by_its_own_context():
+    """choose_shared: t_step = the forward of all rows less attention + each pick's drafting and
+    attention over its own context: a request at a long context keeps to a plain step where one
+    at a short context drafts, in the same step."""
+    def options(context: int) -> list[Candidate]:
+        return [Candidate(None, 0, 1.0, 0.0, 0.0, attention=1e-6 * context),
+                Candidate("d", 3, 2.0, 0.0, 0.001, attention=4e-6 * context)]
+    forward = [0.0] + [0.010 + 0.001 * r for r in range(1, 9)]
+    short, long_ = choose_shared([options(100), options(20_000)], [1.0, 1.0], forward)
+    assert (short.drafter, long_.drafter) == ("d", None)
 
 
 # --- the expected gain ---------------------------------------------------------------------------

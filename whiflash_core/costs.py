@@ -17,7 +17,21 @@ The expected time of a round that drafts k tokens with drafter d is
 
 A shared step (several requests' verify rows in one forward, router.choose_shared) is priced by a
 second table, `shared`: the forward's time by its total rows, timed at start-up over requests of a
-few rows each (`machine.verify_tables`).
+few rows each (`machine.verify_tables`), less those requests' attention (`shared_forward`), plus
+each request's own attention over its context:
+
+    t_step = shared(sum of rows) + sum over requests of per_position(rows_i) c_i
+
+`per_position[rows]` (machine.context_table) is what a verify of `rows` rows spends per cached
+position, reading their K/V; c_i is request i's cached positions. Agent requests sit at 1-2k
+positions, where attention costs a step as much as the linears do: priced at the table's 256
+positions, eight requests' steps were all plain decode (their extra rows looked dear against a
+step that looked cheap); priced by their contexts, they draft where it pays: 8 streams 5.6 % more
+tokens per CPU-second (bench/results/shared_step_context_ab_xeon.json, Xeon, one thread; 8-14 % in
+two exploratory runs). A request alone keeps
+the tables as timed: priced by its context too (verify and drafting, tried in one-process A/Bs), it
+routed differently without a gain (agentic workload 1.003x, Spec-Bench 0.997x, the shared_step
+bench's single stream 0.94-1.00x).
 
 Adaptive (`adaptive=True`): the engine's observed rounds keep it current: each verify row count
 keeps a running average (an unobserved one is the table scaled by the observed / table ratio of
@@ -37,6 +51,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .machine import CONTEXT, SHARED_SEGMENT_ROWS   # the tables' context and shared requests' rows
 from .rounds import RoundTimes
 
 DECAY = 0.95         # weight of the past per observation: about the last 20 rounds count
@@ -159,6 +174,10 @@ class CostModel:
     draft: dict[str, LinearCost] = field(default_factory=dict)      # seconds vs draft tokens k
     router: RunningMean = field(default_factory=RunningMean)
     adaptive: bool = False   # learn from observed rounds (see the module docstring)
+    # a shared step's context term (module docstring): verify rows -> seconds per cached
+    # position; empty: a shared step priced by the table alone
+    per_position: dict[int, float] = field(default_factory=dict)
+    _per_row: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)   # memo
 
     @classmethod
     def with_table(cls, table: dict[int, float], adaptive: bool = False,
@@ -166,10 +185,36 @@ class CostModel:
         return cls(verify=VerifyCost(table=dict(table)), shared=VerifyCost(table=dict(shared or {})),
                    adaptive=adaptive)
 
+    def set_per_position(self, per_position: dict[int, float]) -> None:
+        """Replace the context term (measure sets it; an A/B turns it off with an empty one)."""
+        self.per_position = per_position
+        self._per_row.clear()
+
     def shared_forward(self, max_rows: int) -> list[float]:
-        """[T(0) = 0, ..., T(max_rows)] of a shared forward by its total rows; without a shared
-        table, the verify table's (one request's) curve."""
-        return (self.shared if self.shared.table else self.verify).estimates(max_rows)
+        """[T(0) = 0, ..., T(max_rows)] of a shared forward by its total rows, without its
+        requests' attention over their contexts (each Candidate.attention adds its own); without
+        a shared table, the verify table's (one request's) curve."""
+        if not self.shared.table:
+            return self.verify.estimates(max_rows)
+        curve = self.shared.estimates(max_rows)
+        if not self.per_position:
+            return curve
+        seg, per_row = SHARED_SEGMENT_ROWS, self.per_position_by_rows(SHARED_SEGMENT_ROWS)
+        return [0.0] + [max(curve[r] - CONTEXT * ((r // seg) * per_row[seg] + per_row[r % seg]), MIN_SECONDS)
+                        for r in range(1, max_rows + 1)]
+
+    def per_position_by_rows(self, max_rows: int) -> list[float]:
+        """[per_position(rows) for rows in 0..max_rows] (0 for 0 rows or with no context table),
+        interpolated between the timed row counts. Shared between calls: read it, do not change it."""
+        memo = self._per_row.get(max_rows)
+        if memo is None:
+            memo = self._per_row[max_rows] = [0.0] + [
+                _interpolate(self.per_position, r) if self.per_position else 0.0 for r in range(1, max_rows + 1)]
+        return memo
+
+    def attention(self, max_rows: int, context: int) -> list[float]:
+        """[seconds a verify of `rows` rows spends on `context` cached positions, rows 0..max_rows]."""
+        return [p * context for p in self.per_position_by_rows(max_rows)]
 
     def drafting(self, drafter: str | None, k: int, backlog: int) -> float:
         """Seconds to catch `drafter` up on `backlog` positions and draft k tokens (0 without one)."""
@@ -212,7 +257,6 @@ class CostModel:
 
 # --------------------------------------------------------------------------- start-up measurement
 
-CONTEXT = 256                # verified positions the timed drafters attend to (as machine.CONTEXT)
 BACKLOGS = (1, 8, 32)        # catch-up sizes timed per drafter
 MAX_TIMED_DRAFT = 16         # draft lengths timed: 1..min(this, the drafter's longest)
 
@@ -223,10 +267,11 @@ def measure(engine, adaptive: bool = False, reps: int = 3) -> CostModel:
     import torch
 
     from .drafters.base import Context, DraftSampling
-    from .machine import verify_tables
+    from .machine import context_table, verify_tables
 
     table, shared = verify_tables(engine.target, engine.tap_layers)
     model = CostModel.with_table(table, adaptive=adaptive, shared=shared)
+    model.set_per_position(context_table(engine.target, engine.tap_layers))
     longest = min(max((d.max_draft_tokens for d in engine.drafters.values()), default=1), MAX_TIMED_DRAFT)
     capacity = CONTEXT + longest + 2
     device = engine.target.device

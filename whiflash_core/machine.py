@@ -59,6 +59,12 @@ LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well 
 CHUNKED_FORMATS = ("q4_1",)
 WARMUP_FORWARDS = 20  # untimed one-row forwards before the verify table (a cold process runs slow)
 CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (verify_table)
+# A verify's attention reads every cached position's K/V, so its time grows with the context: rounds
+# at 2k positions of an agent conversation ran 3.5-4.7x the verify table's times at CONTEXT (rounds
+# under 1k 2.0-2.3x, beside a training job). context_table times the growth per cached position
+# between CONTEXT and LONG_CONTEXT for these row counts; a shared step is priced with it (costs.py).
+LONG_CONTEXT = 1280
+CONTEXT_ROWS = (1, 2, 4, 8, 16)
 # cached positions the format timings attend to: an agent conversation's length (system prompt, tool
 # schemas, earlier turns), where reading the KV cache is a good part of a decode step. Timed at 256
 # positions, float32 activations (so a float32 KV cache: twice the bytes) won natively, and then
@@ -524,6 +530,63 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
                 for cache in caches[:len(rows)]:
                     cache.rollback(CONTEXT)
     return best, shared
+
+
+def context_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, reps: int = 5) -> dict[int, float]:
+    """{rows: seconds per cached position} of a verify forward of the loaded target: how much longer
+    a forward of `rows` new tokens runs for each position in the cache before them (the attention
+    reading their K/V), from the forward's time after CONTEXT and after LONG_CONTEXT cached
+    positions (CONTEXT_ROWS; best of `reps` each). Cached like verify_tables."""
+    cfg = target.cfg
+    shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                           "num_heads", "num_kv_heads", "head_dim")}
+    fmt = dataclasses.asdict(target.formats) if getattr(target, "formats", None) is not None else None
+    linears = sorted({type(m).__name__ for m in target.modules() if "Linear" in type(m).__name__})
+    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
+    key = {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape, "dtype": str(target.dtype),
+           "formats": fmt, "linears": linears, "taps": list(taps), "contexts": [CONTEXT, LONG_CONTEXT]}
+    path = _cache_path(key, "context")
+    saved = _cached(path, use_cache)
+    if saved is not None:
+        table = {int(r): t for r, t in saved["per_position"].items()}
+        if _trusted(saved, (table,)):
+            return table
+    tables, others, worth = _timed_in_order(lambda: {"per_position": _time_context(target, taps, reps)}, "context")
+    table = tables["per_position"]
+    if worth:
+        _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt,
+                           "contexts": [CONTEXT, LONG_CONTEXT],
+                           "per_position": {str(r): t for r, t in table.items()}, **_marks((table,), others)})
+    return table
+
+
+def _time_context(target, taps: tuple[int, ...], reps: int) -> dict[int, float]:
+    """One timing of context_table's table (uncached): each row count after CONTEXT and after
+    LONG_CONTEXT cached positions, one row count at a time (as a decode loop runs them)."""
+    cfg = target.cfg
+    longest = max(CONTEXT_ROWS)
+    ids = torch.randint(0, cfg.vocab_size, (LONG_CONTEXT + longest,),
+                        generator=torch.Generator().manual_seed(1)).to(target.device)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    caches = {context: target.new_cache(context + longest) for context in (CONTEXT, LONG_CONTEXT)}
+    per_position: dict[int, float] = {}
+    with torch.inference_mode():
+        for context, cache in caches.items():
+            target(ids[:context], cache, logits_from=context - 1)
+        for _ in range(WARMUP_FORWARDS):
+            target(ids[CONTEXT:CONTEXT + 1], caches[CONTEXT], taps)
+            caches[CONTEXT].rollback(CONTEXT)
+        for r in CONTEXT_ROWS:
+            best = {}
+            for context, cache in caches.items():
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    target(ids[context:context + r], cache, taps)
+                    sync()
+                    best[context] = min(best.get(context, float("inf")), time.perf_counter() - t0)
+                    cache.rollback(context)
+            per_position[r] = max(best[LONG_CONTEXT] - best[CONTEXT], 0.0) / (LONG_CONTEXT - CONTEXT)
+    return per_position
 
 
 def light_formats(gguf: str | None) -> tuple[str, ...]:

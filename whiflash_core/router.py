@@ -40,9 +40,9 @@ Shared steps. When several requests step together (`Engine.step_many`: one targe
 all their verify rows), a request's draft rows are no longer priced by its own verify curve: each
 row is a share of a forward whose cost grows with every request's rows. `choose_shared` then picks
 one candidate per request for the whole step, argmax of (sum of g) / (t_step) ** alpha, t_step =
-every request's drafting plus the shared forward of all their rows (`CostModel.shared_forward`,
-timed at start-up): alpha = 1 is the server's tokens per second. A request alone is routed as above
-(the two agree there).
+every request's drafting and attention over its own context (Candidate.attention) plus the shared
+forward of all their rows less attention (`CostModel.shared_forward`, timed at start-up): alpha = 1
+is the server's tokens per second. A request alone is routed as above.
 
 `Router` is where methods meet drafters: it knows which drafters a method uses and decides each
 round's drafter and draft length; after the round it learns from the `Round` (`observe`). The
@@ -161,6 +161,7 @@ class RoundInputs:
     backlogs: dict[str, int] = field(default_factory=dict)   # per drafter: catch-up charged to this round
     hidden: torch.Tensor | None = None   # the target's final-norm hidden state there [d] (learned policy)
     lookup_run: int = 0               # how long its copy has run (NgramDrafter.copy_run; 0: unknown)
+    context: int | None = None        # cached positions the verify attends to (a shared step's price)
 
 
 @dataclass
@@ -186,6 +187,7 @@ class Candidate:
     drafting: float = 0.0   # the part of t outside the verify forward (router, catch-up, draft)
     situation: int = 0
     predicted_accepted: float | None = None   # learned policy: the MLP's own g - 1 (Route's)
+    attention: float = 0.0  # its verify rows' attention over the request's context (choose_shared's)
     route: Route | None = None   # a route decided by rule (a single-drafter method, the entropy policy)
 
     def score(self, alpha: float) -> float:
@@ -205,27 +207,30 @@ def best(candidates: list[Candidate], alpha: float) -> Candidate:
 def choose_shared(options: list[list[Candidate]], alphas: list[float], forward: list[float],
                   passes: int = 2) -> list[Candidate]:
     """One candidate per request for a shared step: argmax over the combinations of
-    G / t_step ** alpha, G the sum of the picks' g, t_step = the sum of their drafting times +
-    forward[sum of their rows (k + 1 each)] (forward[r]: the shared forward of r rows; it must
-    reach the longest candidates' total). By coordinate ascent from every request's first option
+    G / t_step ** alpha, G the sum of the picks' g, t_step = the sum of their drafting and attention
+    times + forward[sum of their rows (k + 1 each)] (forward[r]: the shared forward of r rows less
+    its attention, CostModel.shared_forward; it must reach the longest candidates' total). By
+    coordinate ascent from every request's first option
     (the plain step): each request in turn takes its best response to the others' picks, `passes`
     times over (the combinations grow as options ** requests; two passes settle in practice).
     Request i weighs the step by its own alpha_i; alone (one request) this is `best` with the
     forward curve in place of its verify curve."""
     picks = [opts[0] for opts in options]
     tokens = sum(c.tokens for c in picks)
-    drafting = sum(c.drafting for c in picks)
+    own = sum(c.drafting + c.attention for c in picks)   # each request's own seconds of the step
     rows = sum(c.k + 1 for c in picks)
     for _ in range(passes):
         for i, opts in enumerate(options):
-            g_rest, d_rest, r_rest = tokens - picks[i].tokens, drafting - picks[i].drafting, rows - picks[i].k - 1
+            mine = picks[i].drafting + picks[i].attention
+            g_rest, o_rest, r_rest = tokens - picks[i].tokens, own - mine, rows - picks[i].k - 1
             alpha, top, top_score = alphas[i], picks[i], -1.0
             for c in opts:
-                score = (g_rest + c.tokens) / max(d_rest + c.drafting + forward[r_rest + c.k + 1], MIN_SECONDS) ** alpha
+                t = o_rest + c.drafting + c.attention + forward[r_rest + c.k + 1]
+                score = (g_rest + c.tokens) / max(t, MIN_SECONDS) ** alpha
                 if score > top_score:
                     top, top_score = c, score
             picks[i] = top
-            tokens, drafting, rows = g_rest + top.tokens, d_rest + top.drafting, r_rest + top.k + 1
+            tokens, own, rows = g_rest + top.tokens, o_rest + top.drafting + top.attention, r_rest + top.k + 1
     return picks
 
 
@@ -302,14 +307,14 @@ class Router:
         learned policies every (drafter, k) priced; otherwise the one route the method or the
         entropy rule decides, priced by the running acceptance (for `choose_shared`)."""
         if not self.drafters:
-            return [self._decided(Route(None))]
+            return [self._decided(Route(None), ctx.n)]
         limit = self.longest_draft if limit is None else max(limit, 0)
         if not self.routes:
             name = next(iter(self.drafters))
-            return [self._decided(Route(name, min(self.draft_lens[name], limit)))]
+            return [self._decided(Route(name, min(self.draft_lens[name], limit)), ctx.n)]
         inputs = self.inputs(states, ctx, logits, limit, hidden)
         if self.policy == "entropy":
-            return [self._decided(self._by_entropy(inputs))]
+            return [self._decided(self._by_entropy(inputs), ctx.n)]
         return self._gain_candidates(inputs)
 
     def take(self, c: Candidate, states: dict[str, DrafterState], ctx: Context) -> Route:
@@ -323,12 +328,13 @@ class Router:
             route.backlog = max(ctx.n - states[route.drafter].n_seen, 0)
         return route
 
-    def _decided(self, route: Route) -> Candidate:
+    def _decided(self, route: Route, context: int) -> Candidate:
         k = route.draft_len if route.drafter is not None else 0
         drafting = self.costs.router.value + self.costs.drafting(route.drafter, k, 0)
         tokens = expected_tokens_by_k(self.acceptance.rates(route.drafter, 0, k), k)[k] if k else 1.0
-        return Candidate(route.drafter, k, tokens, max(drafting + self.costs.verify.estimates(k + 1)[k + 1], MIN_SECONDS),
-                         drafting, route=route)
+        verify = self.costs.verify.estimates(k + 1)[k + 1]
+        return Candidate(route.drafter, k, tokens, max(drafting + verify, MIN_SECONDS), drafting,
+                         attention=self.costs.attention(k + 1, context)[k + 1], route=route)
 
     def inputs(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, limit: int,
                hidden: torch.Tensor | None = None) -> RoundInputs:
@@ -348,7 +354,7 @@ class Router:
             top1, entropy = top1_probability(logits), None
         else:
             entropy, top1 = entropy_and_top1(logits)
-        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden, lookup_run=run)
+        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden, lookup_run=run, context=ctx.n)
 
     def choose(self, inputs: RoundInputs) -> Route:
         """This round's drafter and draft length by the request's policy (a request alone)."""
@@ -393,8 +399,9 @@ class Router:
         its g and t (argmax g / t ** alpha picks among them: `best`, or `choose_shared`)."""
         longest = min(self.longest_draft, inputs.limit)
         verify = self.costs.verify.estimates(longest + 1)
+        attention = self.costs.attention(longest + 1, inputs.context or 0)   # for a shared step
         plain = self.costs.router.value
-        candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain)]
+        candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain, attention=attention[1])]
         predicted = self.predicted_rates(inputs)
         for name in self.drafters:
             k_max = min(self.route_lens[name], inputs.limit)
@@ -424,7 +431,8 @@ class Router:
             for k in range(1, k_max + 1):
                 d = plain + drafting[k]
                 candidates.append(Candidate(name, k, gains[k], max(d + verify[k + 1], MIN_SECONDS), d,
-                                            where, raw[k] - 1.0 if raw is not None else None))
+                                            where, raw[k] - 1.0 if raw is not None else None,
+                                            attention=attention[k + 1]))
         return candidates
 
     def predicted_rates(self, inputs: RoundInputs) -> dict[str, list[float]]:
