@@ -457,6 +457,19 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
     return verify_tables(target, taps, use_cache, reps)[0]
 
 
+def _target_key(target, taps: tuple[int, ...]) -> dict:
+    """What a timing of the loaded target depends on (its cache key): this machine, the device, the
+    model's shape, dtype and formats, its linears' kinds, the tapped layers."""
+    cfg = target.cfg
+    shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                                           "num_heads", "num_kv_heads", "head_dim")}
+    fmt = dataclasses.asdict(target.formats) if getattr(target, "formats", None) is not None else None
+    linears = sorted({type(m).__name__ for m in target.modules() if "Linear" in type(m).__name__})
+    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
+    return {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape,
+            "dtype": str(target.dtype), "formats": fmt, "linears": linears, "taps": list(taps)}
+
+
 def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
                   reps: int = 5) -> tuple[dict[int, float], dict[int, float]]:
     """(verify_table, shared table): the second is {total rows: seconds} of a shared forward
@@ -464,14 +477,8 @@ def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
     each after CONTEXT cached positions of its own: what one step of several requests costs, whose
     price per row differs from one request's (attention per request, and where the rows outgrow
     the layer stack the module forward). Timed and cached together."""
-    cfg = target.cfg
-    shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                                           "num_heads", "num_kv_heads", "head_dim")}
-    fmt = dataclasses.asdict(target.formats) if getattr(target, "formats", None) is not None else None
-    linears = sorted({type(m).__name__ for m in target.modules() if "Linear" in type(m).__name__})
-    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    key = {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape, "dtype": str(target.dtype),
-           "formats": fmt, "linears": linears, "taps": list(taps)}
+    key = _target_key(target, taps)
+    shape, fmt = key["shape"], key["formats"]
     path = _cache_path(key, "verify")
     saved = _cached(path, use_cache)
     if saved is not None:
@@ -537,14 +544,8 @@ def context_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, re
     a forward of `rows` new tokens runs for each position in the cache before them (the attention
     reading their K/V), from the forward's time after CONTEXT and after LONG_CONTEXT cached
     positions (CONTEXT_ROWS; best of `reps` each). Cached like verify_tables."""
-    cfg = target.cfg
-    shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                                           "num_heads", "num_kv_heads", "head_dim")}
-    fmt = dataclasses.asdict(target.formats) if getattr(target, "formats", None) is not None else None
-    linears = sorted({type(m).__name__ for m in target.modules() if "Linear" in type(m).__name__})
-    device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
-    key = {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape, "dtype": str(target.dtype),
-           "formats": fmt, "linears": linears, "taps": list(taps), "contexts": [CONTEXT, LONG_CONTEXT]}
+    key = {**_target_key(target, taps), "contexts": [CONTEXT, LONG_CONTEXT]}
+    shape, fmt = key["shape"], key["formats"]
     path = _cache_path(key, "context")
     saved = _cached(path, use_cache)
     if saved is not None:

@@ -210,11 +210,11 @@ def choose_shared(options: list[list[Candidate]], alphas: list[float], forward: 
     G / t_step ** alpha, G the sum of the picks' g, t_step = the sum of their drafting and attention
     times + forward[sum of their rows (k + 1 each)] (forward[r]: the shared forward of r rows less
     its attention, CostModel.shared_forward; it must reach the longest candidates' total). By
-    coordinate ascent from every request's first option
-    (the plain step): each request in turn takes its best response to the others' picks, `passes`
-    times over (the combinations grow as options ** requests; two passes settle in practice).
-    Request i weighs the step by its own alpha_i; alone (one request) this is `best` with the
-    forward curve in place of its verify curve."""
+    coordinate ascent from every request's first option (the plain step): each request in turn
+    takes its best response to the others' picks, `passes` times over (the combinations grow as
+    options ** requests; two passes settle in practice). Request i weighs the step by its own
+    alpha_i; alone (one request) this is `best` with the forward curve and its attention in place of
+    its verify curve."""
     picks = [opts[0] for opts in options]
     tokens = sum(c.tokens for c in picks)
     own = sum(c.drafting + c.attention for c in picks)   # each request's own seconds of the step
