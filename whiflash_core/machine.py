@@ -516,27 +516,31 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
         # read T(1) 5.4 ms, T(4) 5.4 ms, against 3.2 ms a plain step and 5.7 ms a 4-row EAGLE-3
         # verify in the Spec-Bench loop, so T(4) looked free and EAGLE-3 rounds were priced under
         # their cost.
-        for _ in range(WARMUP_FORWARDS):
-            target(ids[CONTEXT:CONTEXT + 1], caches[0], taps)
-            caches[0].rollback(CONTEXT)
+        _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], caches[0], taps), caches[:1], CONTEXT,
+                      WARMUP_FORWARDS, sync)
         for r in VERIFY_ROWS:
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                target(ids[CONTEXT:CONTEXT + r], caches[0], taps)
-                sync()
-                best[r] = min(best.get(r, float("inf")), time.perf_counter() - t0)
-                caches[0].rollback(CONTEXT)
+            best[r] = _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + r], caches[0], taps), caches[:1], CONTEXT,
+                                    reps, sync)
         for r in SHARED_ROWS:   # likewise one total at a time
             sizes = [SHARED_SEGMENT_ROWS] * (r // SHARED_SEGMENT_ROWS) + ([r % SHARED_SEGMENT_ROWS] if r % SHARED_SEGMENT_ROWS else [])
             rows = [ids[CONTEXT:CONTEXT + n] for n in sizes]
-            for _ in range(reps):
-                t0 = time.perf_counter()
-                target.forward_many(rows, caches[:len(rows)], taps)
-                sync()
-                shared[r] = min(shared.get(r, float("inf")), time.perf_counter() - t0)
-                for cache in caches[:len(rows)]:
-                    cache.rollback(CONTEXT)
+            shared[r] = _best_seconds(lambda: target.forward_many(rows, caches[:len(rows)], taps), caches[:len(rows)],
+                                      CONTEXT, reps, sync)
     return best, shared
+
+
+def _best_seconds(forward, caches, length: int, reps: int, sync) -> float:
+    """The best of `reps` timings of forward() (synced), each followed by rolling `caches` back to
+    `length` cached positions (so every run starts from the same context)."""
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        forward()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        for cache in caches:
+            cache.rollback(length)
+    return best
 
 
 def context_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, reps: int = 5) -> dict[int, float]:
@@ -574,18 +578,11 @@ def _time_context(target, taps: tuple[int, ...], reps: int) -> dict[int, float]:
     with torch.inference_mode():
         for context, cache in caches.items():
             target(ids[:context], cache, logits_from=context - 1)
-        for _ in range(WARMUP_FORWARDS):
-            target(ids[CONTEXT:CONTEXT + 1], caches[CONTEXT], taps)
-            caches[CONTEXT].rollback(CONTEXT)
+        _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], caches[CONTEXT], taps), [caches[CONTEXT]], CONTEXT,
+                      WARMUP_FORWARDS, sync)
         for r in CONTEXT_ROWS:
-            best = {}
-            for context, cache in caches.items():
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    target(ids[context:context + r], cache, taps)
-                    sync()
-                    best[context] = min(best.get(context, float("inf")), time.perf_counter() - t0)
-                    cache.rollback(context)
+            best = {c: _best_seconds(lambda: target(ids[c:c + r], cache, taps), [cache], c, reps, sync)
+                    for c, cache in caches.items()}
             per_position[r] = max(best[LONG_CONTEXT] - best[CONTEXT], 0.0) / (LONG_CONTEXT - CONTEXT)
     return per_position
 
