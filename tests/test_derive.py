@@ -89,3 +89,61 @@ def test_task_files_load_as_licensed_sources(tmp_path):
     assert source_info("topic_tasks_xquad").licence == "CC BY-SA 4.0"
     assert source_info("topic_tasks_pubmedqa").licence == "MIT"
     assert source_info("topic_tasks_scitldr").licence.startswith("Apache-2.0")
+
+
+def _write(tmp_path, files: dict[str, list[dict]]) -> None:
+    for name, records in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_question_prompts_are_the_english_questions_alone(tmp_path):
+    ask = "Use the passages.\n\nPassage 1: Oxygen was found in the 1770s.\n\nQuestion: {}"
+    _write(tmp_path, {
+        "rag_qa/xquad_rag_qa.jsonl": [
+            {"id": "xquad-rag-en-1", "messages": [{"role": "user", "content":
+                ask.format("Who discovered oxygen first?\nAnswer concisely, using only the documents.")}]},
+            {"id": "xquad-rag-en-2", "messages": [{"role": "user", "content": ask.format("Who discovered oxygen first?")}]},
+            {"id": "xquad-rag-de-3", "messages": [{"role": "user", "content": ask.format("Wer entdeckte den Sauerstoff?")}]},
+            {"id": "xquad-rag-en-4", "messages": [{"role": "user", "content": ask.format("When?")}]},
+        ],
+        "rag_qa/pubmedqa_rag_qa.jsonl": [
+            {"id": "pubmedqa-1", "messages": [{"role": "user", "content":
+                "Answer.\n\nPassage 1 (Objective): We study it.\n\nQuestion: Does vitamin C prevent pain?"}]},
+        ],
+    })
+    out = derive.question_prompts(str(tmp_path))
+    # one per distinct English question, without its passages or the instruction after it; a
+    # one-word question is no question to answer from memory
+    assert [r["messages"][0]["content"] for r in out["closed_book_xquad"]] == ["Who discovered oxygen first?"]
+    assert [r["messages"][0]["content"] for r in out["closed_book_pubmedqa"]] == ["Does vitamin C prevent pain?"]
+    for source, records in out.items():
+        derive.write_jsonl(str(tmp_path / "out" / f"{source}.jsonl"), records)
+    loaded = load_prompts([str(tmp_path / "out")])
+    assert {c["source"] for c in loaded} == {"closed_book_xquad", "closed_book_pubmedqa"}
+    assert source_info("closed_book_xquad").licence == "CC BY-SA 4.0"
+    assert source_info("closed_book_pubmedqa").licence == "MIT"
+
+
+def test_code_prompts_one_per_function_in_the_files_language(tmp_path):
+    area = {"name": "geometry.triangle_area", "description": "Calculate the area of a triangle.",
+            "parameters": {"type": "dict", "required": ["base"], "properties": {
+                "base": {"type": "integer", "description": "The base."},
+                "unit": {"type": "string", "description": "The unit."}}}}
+    short = {"name": "f", "description": "Does it.", "parameters": {}}
+    _write(tmp_path, {
+        "bfcl/BFCL_v4_simple_python.json": [{"id": "p0", "question": [], "function": [area, short]},
+                                            {"id": "p1", "question": [], "function": [area]}],
+        "bfcl/BFCL_v4_simple_java.json": [{"id": "j0", "question": [], "function": [area]}],
+        "bfcl/possible_answer/BFCL_v4_simple_python.json": [{"id": "p0", "ground_truth": []}],
+    })
+    out = derive.code_prompts(str(tmp_path))
+    texts = [r["messages"][0]["content"] for r in out]
+    # the Java file's function, then the Python one once (a repeat and a too-short description dropped)
+    assert len(out) == 2
+    assert "Java" in texts[0] and "Python" not in texts[0]
+    assert "Python" in texts[1] and "`triangle_area`" in texts[1]
+    assert "- base (integer): The base." in texts[1] and "- unit (string, optional): The unit." in texts[1]
+    assert derive.code_prompts(str(tmp_path)) == out
+    assert source_info("code_tasks_bfcl").licence == "Apache-2.0"

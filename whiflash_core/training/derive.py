@@ -23,6 +23,19 @@ still come from licensed text:
 The task files are named per passage origin (topic_tasks_xquad, topic_tasks_scitldr,
 topic_tasks_pubmedqa): each is a source of its own with its origin's licence (prompts.SOURCES).
 No prompt of Spec-Bench is read; the templates are this file's own wording.
+
+Two more kinds, in one step each, straight from the prompt sets (no target answer needed first):
+
+    `derive --step questions`: closed-book questions (Spec-Bench's qa is Natural Questions asked
+       without a passage), the English questions of the passage-QA sets without their passages:
+       closed_book_xquad (CC BY-SA 4.0), closed_book_pubmedqa (MIT).
+    `derive --step code`: code-writing tasks (Spec-Bench's coding asks for programs; the code sets
+       are CC BY-NC), one per distinct function the BFCL files specify, in the file's language, in
+       one of CODE_TEMPLATES: code_tasks_bfcl (Apache-2.0).
+
+    whiflash train derive --step questions --out datasets/prompts
+    whiflash train derive --step code --out datasets/prompts
+    whiflash train distill --prompts datasets/prompts/closed_book_xquad.jsonl ... --out datasets/smollm2-distill-r4
 """
 from __future__ import annotations
 
@@ -157,6 +170,81 @@ def answered_topics(distilled_dir: str) -> list[tuple[str, str]]:
     return out
 
 
+# --------------------------------------------------------------------------- closed-book questions
+
+# passage-QA set -> (its prompt file under --data, the closed-book source it becomes)
+QUESTION_SETS = {"xquad": ("rag_qa/xquad_rag_qa.jsonl", "closed_book_xquad"),
+                 "pubmedqa": ("rag_qa/pubmedqa_rag_qa.jsonl", "closed_book_pubmedqa")}
+_QUESTION = re.compile(r"\n\nQuestion:\s*(.+?)\s*$", re.S)
+
+
+def question_prompts(data_dir: str) -> dict[str, list[dict]]:
+    """Per closed-book source, one prompt per distinct English question of its passage-QA set: the
+    question alone (its first line: the sets add an instruction after it), in file order."""
+    out: dict[str, list[dict]] = {}
+    for origin, (path, source) in QUESTION_SETS.items():
+        seen: set[str] = set()
+        out[source] = []
+        for record in read_records(os.path.join(data_dir, path)):
+            if origin == "xquad" and "-en-" not in record.get("id", ""):
+                continue   # XQuAD's questions in other languages
+            m = _QUESTION.search(record["messages"][0]["content"])
+            question = m.group(1).split("\n")[0].strip() if m else ""
+            if len(question.split()) >= 3 and question not in seen:
+                seen.add(question)
+                key = hashlib.sha1(question.encode()).hexdigest()[:12]
+                out[source].append({"id": f"{origin}-q-{key}", "messages": [{"role": "user", "content": question}]})
+    return out
+
+
+# --------------------------------------------------------------------------- code-writing tasks
+
+BFCL_LANGUAGES = {"java": "Java", "javascript": "JavaScript"}   # any other BFCL file: Python
+CODE_TEMPLATES = (
+    "Write a {language} function named `{name}` that does the following: {description}\nParameters:\n{params}",
+    "Implement `{name}` in {language}. {description}\nParameters:\n{params}\nExplain briefly how your code works.",
+    "Write {language} code for a function `{name}`. {description}\nParameters:\n{params}\n"
+    "Include an example of calling it.",
+)
+
+
+def _param_lines(parameters: dict) -> str:
+    props = (parameters or {}).get("properties") or {}
+    required = set((parameters or {}).get("required") or [])
+    lines = []
+    for pname, spec in props.items():
+        spec = spec if isinstance(spec, dict) else {}
+        kind = spec.get("type", "any")
+        note = "" if pname in required else ", optional"
+        lines.append(f"- {pname} ({kind}{note}): {str(spec.get('description', '')).strip()}".rstrip(": "))
+    return "\n".join(lines) or "- none"
+
+
+def code_prompts(data_dir: str) -> list[dict]:
+    """One code-writing prompt per distinct (language, function name) of the BFCL question files
+    under data_dir/bfcl, in file order; the template is chosen by a hash of the name."""
+    out, seen = [], set()
+    bfcl = os.path.join(data_dir, "bfcl")
+    for file in sorted(os.listdir(bfcl)):
+        if not (file.startswith("BFCL_v4_") and file.endswith(".json")):
+            continue
+        category = file[len("BFCL_v4_"):-len(".json")]
+        language = next((v for k, v in BFCL_LANGUAGES.items() if category.endswith(k)), "Python")
+        for record in read_records(os.path.join(bfcl, file)):
+            for fn in record.get("function") or []:
+                name = re.sub(r"\W", "_", str(fn.get("name", "")).split(".")[-1])
+                description = str(fn.get("description", "")).strip()
+                if not name or len(description.split()) < 3 or (language, name) in seen:
+                    continue
+                seen.add((language, name))
+                key = hashlib.sha1(f"{language}/{name}".encode()).hexdigest()[:12]
+                template = CODE_TEMPLATES[int(key, 16) % len(CODE_TEMPLATES)]
+                text = template.format(language=language, name=name, description=description,
+                                       params=_param_lines(fn.get("parameters")))
+                out.append({"id": f"bfcl-code-{key}", "messages": [{"role": "user", "content": text}]})
+    return out
+
+
 def write_jsonl(path: str, records: list[dict]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -168,10 +256,11 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 
 @dataclass
 class DeriveSettings:
-    step: str = setting(help="topics: step 1's prompts from passages; tasks: step 2's from answered topics",
-                        choices=["topics", "tasks"])
-    out: str = setting(help="topics: the JSONL to write; tasks: the directory for topic_tasks_<origin>.jsonl")
-    data: str = setting("../shared/data/train", "topics: the prompt sets' directory")
+    step: str = setting(help="topics: step 1's prompts from passages; tasks: step 2's from answered topics; "
+                             "questions: closed-book questions; code: code-writing tasks from BFCL functions",
+                        choices=["topics", "tasks", "questions", "code"])
+    out: str = setting(help="topics: the JSONL to write; the other steps: the directory for their JSONL files")
+    data: str = setting("../shared/data/train", "topics, questions, code: the prompt sets' directory")
     topics: str | None = setting(None, "tasks: the distilled directory of step 1's answers")
 
 
@@ -189,6 +278,13 @@ def run(args: argparse.Namespace) -> int:
         records = topic_prompts(s.data)
         write_jsonl(s.out, records)
         print(f"wrote {len(records)} topic prompts to {s.out}")
+        return 0
+    if s.step in ("questions", "code"):
+        files = question_prompts(s.data) if s.step == "questions" else {"code_tasks_bfcl": code_prompts(s.data)}
+        for source, records in files.items():
+            path = os.path.join(s.out, f"{source}.jsonl")
+            write_jsonl(path, records)
+            print(f"wrote {len(records)} prompts to {path}")
         return 0
     if not s.topics:
         raise SystemExit("derive tasks needs --topics (the distilled answers of step 1)")

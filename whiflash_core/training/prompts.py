@@ -102,6 +102,16 @@ SOURCES: dict[str, SourceInfo] = {
                 ("topic_tasks_pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
             ]
         ],
+        # closed-book questions and code-writing tasks (training/derive.py), with their sets' licences
+        *[
+            SourceInfo(name, licence, f"whiflash train derive, {origin}", 1)
+            for name, licence, origin in [
+                ("closed_book_xquad", _CC_BY_SA, "the English questions of google-deepmind/xquad : xquad.en.json"),
+                ("closed_book_pubmedqa", "MIT", "the questions of pubmedqa/pubmedqa : data/ori_pqal.json"),
+                ("code_tasks_bfcl", "Apache-2.0",
+                 "the function specs of ShishirPatil/gorilla : berkeley-function-call-leaderboard BFCL_v4_*.json"),
+            ]
+        ],
         SourceInfo("alpaca_en_demo",
                    "repo Apache-2.0; content appears to be Alpaca-GPT4 data (upstream CC BY-NC 4.0)",
                    "hiyouga/LLaMA-Factory : data/alpaca_en_demo.json", 5),
