@@ -134,10 +134,11 @@ class Replica:
         self.name, self.rank = context.replica_id.unique_id, context.rank.rank
         self.settings = s = Settings(**settings)
         limit_malloc_arenas(s.malloc_arena_max)  # as `whiflash serve` does, in this replica's own process
-        if s.threads:
-            torch.set_num_threads(s.threads)
-        engine = await asyncio.to_thread(load_engine, s.model, s.drafters, s.dtype, threads=s.threads,
+        threads, step_threads = s.engine_threads(torch.get_num_threads())   # as `whiflash serve` (serve_cli)
+        torch.set_num_threads(step_threads)
+        engine = await asyncio.to_thread(load_engine, s.model, s.drafters, s.dtype, threads=step_threads,
                                          weights=s.weights, device=s.device)
+        engine.large_threads = threads
         self.app = create_app(engine, s)
         # the app's lifespan (engine thread, stats hub) as uvicorn would run it, for the replica's life
         self._lifespan = self.app.router.lifespan_context(self.app)

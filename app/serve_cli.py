@@ -32,7 +32,10 @@ def add_parser(sub) -> None:
                         "separate tenants (the stats page shows each only its own requests' text)")
     p.add_argument("--admin-key", default=None,
                    help="a stats-page viewer presenting this key sees every request's text (also an API key)")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: the cores torch may use); prefills of 128+ rows use them all")
+    p.add_argument("--step-threads", type=int, default=None,
+                   help="torch threads of decode, verify and drafting (default: one fewer than --threads, at least 1)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="where the target and drafters run (default: cuda when available, else cpu)")
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved at once (default 16)")
@@ -110,10 +113,12 @@ def run(args: argparse.Namespace) -> int:
         from .replicas import serve_replicas   # Ray is imported only here
 
         return serve_replicas(settings, replicas)
-    if settings.threads:
-        torch.set_num_threads(settings.threads)
-    engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=settings.threads,
+    # rounds run on step_threads (and the cost model is timed so), large prefills on all threads
+    threads, step_threads = settings.engine_threads(torch.get_num_threads())
+    torch.set_num_threads(step_threads)
+    engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=step_threads,
                          weights=settings.weights, device=settings.device)
+    engine.large_threads = threads
     app = create_app(engine, settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=5)

@@ -23,7 +23,11 @@ class Settings(BaseSettings):
     weights: WeightFormat = Field(
         "auto", description="auto: timed on this CPU per phase (whiflash info); int4: the GGUF's Q4_1 "
                             "blocks; int8: per-row int8 linears; dense: the dtype's own weights")
-    threads: int | None = Field(None, ge=1, description="torch CPU threads")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, the cores it may "
+                                                        "use); a prefill of 128 rows or more runs on all of them")
+    step_threads: int | None = Field(
+        None, ge=1, description="torch threads of decode, verify and drafting (default: one fewer than `threads`, "
+                                "at least 1: the HTTP loop, tokenizer and clients keep a core; Engine.threads_for)")
     device: Literal["cpu", "cuda"] | None = Field(None, description="cuda or cpu (default: cuda when available)")
     served_model_name: str | None = None
     model_aliases: Annotated[list[str], NoDecode] = Field(
@@ -87,6 +91,11 @@ class Settings(BaseSettings):
     def api_keys(self) -> list[str]:
         """The API keys (`--api-key k1,k2`, as llama.cpp's); empty when the API is open."""
         return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
+
+    def engine_threads(self, default: int) -> tuple[int, int]:
+        """(threads, step_threads) of one engine: `threads` or `default`, and `step_threads` or one fewer."""
+        threads = self.threads or default
+        return threads, self.step_threads or max(1, threads - 1)
 
     @field_validator("cors_origins", "model_aliases", mode="before")
     @classmethod

@@ -168,3 +168,41 @@ def test_unknown_method_is_rejected():
     eng = Engine(tiny_target(), None, {})
     with pytest.raises(ValueError, match="not available"):
         eng.start(GenerationRequest([1, 2, 3], 5, speculation=SpeculationConfig(method="eagle3")))
+
+
+def test_large_forwards_alone_run_on_the_large_thread_count(monkeypatch):
+    """Engine.threads_for: a prefill of LARGE_FORWARD_ROWS rows or more runs on `large_threads`, the
+    rounds after it on the caller's threads (a server's step_threads), and the count comes back."""
+    from whiflash_core.engine import LARGE_FORWARD_ROWS
+
+    target = tiny_target()
+    engine = Engine(target, None, {"eagle3": tiny_eagle(target)})
+    seen: list[tuple[int, int]] = []
+    forward = type(target).forward
+
+    def recording(self, tokens, *args, **kwargs):
+        seen.append((tokens.shape[0], torch.get_num_threads()))
+        return forward(self, tokens, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", recording)
+    before = torch.get_num_threads()
+    large = before + 1
+    prompt = torch.randint(0, VOCAB, (LARGE_FORWARD_ROWS + 3,), generator=torch.Generator().manual_seed(5)).tolist()
+    request = GenerationRequest(prompt, 6, speculation=SpeculationConfig(method="eagle3"))
+    plain = Engine(tiny_target(), None, {"eagle3": tiny_eagle(tiny_target())}).generate(request).output
+    seen.clear()
+
+    engine.large_threads = large
+    try:
+        out = engine.generate(request).output
+    finally:
+        torch.set_num_threads(before)
+    assert out == plain   # the thread count never changes a token
+    assert seen[0] == (LARGE_FORWARD_ROWS + 3, large)
+    assert len(seen) > 1 and all(threads == before for rows, threads in seen[1:])
+    assert torch.get_num_threads() == before
+
+    seen.clear()
+    engine.large_threads = None   # unset: every forward on the caller's threads
+    engine.generate(request)
+    assert {threads for _, threads in seen} == {before}

@@ -434,3 +434,15 @@ def test_request_timeout():
             client.chat.completions.create(model=MODEL, messages=HI)
         assert info.value.status_code == 504
         assert info.value.response.json()["error"]["code"] == "request_timeout"
+
+
+@pytest.mark.parametrize("threads, step_threads, default, expected", [
+    (None, None, 2, (2, 1)),    # a 2-core machine: rounds on one core, the HTTP side keeps the other
+    (None, None, 1, (1, 1)),
+    (8, None, 2, (8, 7)),
+    (4, 4, 2, (4, 4)),          # asked for: every core for the rounds too
+])
+def test_engine_threads_leave_a_core_to_the_server_by_default(threads, step_threads, default, expected):
+    from app.settings import Settings
+
+    assert Settings(threads=threads, step_threads=step_threads).engine_threads(default) == expected
