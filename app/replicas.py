@@ -123,22 +123,15 @@ class Replica:
     """One engine and the single server's app around it."""
 
     async def __init__(self, settings: dict):
-        import torch
-
-        from whiflash_core.loading import load_engine
-
         from .main import create_app
         from .memory import limit_malloc_arenas
+        from .serve_cli import load_server_engine
 
         context = serve.get_replica_context()
         self.name, self.rank = context.replica_id.unique_id, context.rank.rank
         self.settings = s = Settings(**settings)
         limit_malloc_arenas(s.malloc_arena_max)  # as `whiflash serve` does, in this replica's own process
-        threads, step_threads = s.engine_threads(torch.get_num_threads())   # as `whiflash serve` (serve_cli)
-        torch.set_num_threads(step_threads)
-        engine = await asyncio.to_thread(load_engine, s.model, s.drafters, s.dtype, threads=step_threads,
-                                         weights=s.weights, device=s.device)
-        engine.large_threads = threads
+        engine = await asyncio.to_thread(load_server_engine, s)   # as `whiflash serve`
         self.app = create_app(engine, s)
         # the app's lifespan (engine thread, stats hub) as uvicorn would run it, for the replica's life
         self._lifespan = self.app.router.lifespan_context(self.app)

@@ -96,11 +96,23 @@ def replica_settings_from_args(args: argparse.Namespace):
     return settings
 
 
-def run(args: argparse.Namespace) -> int:
+def load_server_engine(settings):
+    """The engine a server (or one replica) serves: rounds on `step_threads` (the cost model is timed
+    so), prefills of LARGE_FORWARD_ROWS rows or more on all `threads` (Engine.threads_for)."""
     import torch
-    import uvicorn
 
     from whiflash_core.loading import load_engine
+
+    threads, step_threads = settings.engine_threads(torch.get_num_threads())
+    torch.set_num_threads(step_threads)
+    engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=step_threads,
+                         weights=settings.weights, device=settings.device)
+    engine.large_threads = threads
+    return engine
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
 
     from .main import create_app
     from .memory import limit_malloc_arenas
@@ -113,13 +125,7 @@ def run(args: argparse.Namespace) -> int:
         from .replicas import serve_replicas   # Ray is imported only here
 
         return serve_replicas(settings, replicas)
-    # rounds run on step_threads (and the cost model is timed so), large prefills on all threads
-    threads, step_threads = settings.engine_threads(torch.get_num_threads())
-    torch.set_num_threads(step_threads)
-    engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=step_threads,
-                         weights=settings.weights, device=settings.device)
-    engine.large_threads = threads
-    app = create_app(engine, settings)
+    app = create_app(load_server_engine(settings), settings)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0
