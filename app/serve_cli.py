@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from whiflash_core.engine import Engine
+
+    from .settings import Settings
 
 
 def add_parser(sub) -> None:
@@ -96,7 +102,7 @@ def replica_settings_from_args(args: argparse.Namespace):
     return settings
 
 
-def load_server_engine(settings):
+def load_server_engine(settings: Settings) -> Engine:
     """The engine a server (or one replica) serves: rounds on `step_threads` (the cost model is timed
     so), prefills of LARGE_FORWARD_ROWS rows or more on all `threads` (Engine.threads_for)."""
     import torch

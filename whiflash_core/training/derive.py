@@ -81,6 +81,11 @@ class Passage:
     text: str
 
 
+def _other_language(origin: str, record: dict) -> bool:
+    """An XQuAD record in a language other than English (its id names the language)."""
+    return origin == "xquad" and "-en-" not in record.get("id", "")
+
+
 _PASSAGE = re.compile(r"^Passage \d+( \([^)]*\))?:\s*")
 
 
@@ -91,8 +96,8 @@ def _passages_of(origin: str, record: dict) -> list[str]:
         # the instruction comes before or after the abstract: the abstract is the longest block
         blocks = [re.sub(r"^Abstract:\s*", "", b.strip()) for b in text.split("\n\n")]
         return [max(blocks, key=len)]
-    if origin == "xquad" and "-en-" not in record.get("id", ""):
-        return []   # XQuAD's other languages
+    if _other_language(origin, record):
+        return []
     blocks = [b.strip() for b in text.split("\n\n")]
     passages = [_PASSAGE.sub("", b) for b in blocks if _PASSAGE.match(b)]
     if origin == "pubmedqa":   # the sections of one abstract: one passage
@@ -186,8 +191,8 @@ def question_prompts(data_dir: str) -> dict[str, list[dict]]:
         seen: set[str] = set()
         out[source] = []
         for record in read_records(os.path.join(data_dir, path)):
-            if origin == "xquad" and "-en-" not in record.get("id", ""):
-                continue   # XQuAD's questions in other languages
+            if _other_language(origin, record):
+                continue
             m = _QUESTION.search(record["messages"][0]["content"])
             question = m.group(1).split("\n")[0].strip() if m else ""
             if len(question.split()) >= 3 and question not in seen:
@@ -245,6 +250,14 @@ def code_prompts(data_dir: str) -> list[dict]:
     return out
 
 
+def write_sources(out_dir: str, files: dict[str, list[dict]]) -> None:
+    """Each source's prompt records to out_dir/<source>.jsonl (the file name is the source name)."""
+    for source, records in files.items():
+        path = os.path.join(out_dir, f"{source}.jsonl")
+        write_jsonl(path, records)
+        print(f"wrote {len(records)} prompts to {path}")
+
+
 def write_jsonl(path: str, records: list[dict]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
@@ -280,17 +293,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {len(records)} topic prompts to {s.out}")
         return 0
     if s.step in ("questions", "code"):
-        files = question_prompts(s.data) if s.step == "questions" else {"code_tasks_bfcl": code_prompts(s.data)}
-        for source, records in files.items():
-            path = os.path.join(s.out, f"{source}.jsonl")
-            write_jsonl(path, records)
-            print(f"wrote {len(records)} prompts to {path}")
+        write_sources(s.out, question_prompts(s.data) if s.step == "questions" else
+                      {"code_tasks_bfcl": code_prompts(s.data)})
         return 0
     if not s.topics:
         raise SystemExit("derive tasks needs --topics (the distilled answers of step 1)")
-    answers = answered_topics(s.topics)
-    for origin, records in task_prompts(answers).items():
-        path = os.path.join(s.out, f"topic_tasks_{origin}.jsonl")
-        write_jsonl(path, records)
-        print(f"wrote {len(records)} prompts to {path}")
+    write_sources(s.out, {f"topic_tasks_{origin}": records
+                          for origin, records in task_prompts(answered_topics(s.topics)).items()})
     return 0
