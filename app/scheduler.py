@@ -32,6 +32,8 @@ from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 
+IDLE_TRIM_SECONDS = 1.0   # how long the worker waits, idle, before it gives memory back
+
 
 # --- what a request's queue receives -----------------------------------------------------------
 
@@ -226,8 +228,14 @@ class Scheduler:
     def _serve(self) -> None:
         while True:
             with self._cv:
+                # idle for IDLE_TRIM_SECONDS: hand the recycled buffers and the freed heap back to
+                # the OS (not at once: an agent's next turn, or one stream's next request, comes
+                # within milliseconds and reuses them)
                 if not self._stopping and not self._waiting and not self._active:
-                    release_free_memory()   # idle: hand the finished requests' caches back to the OS
+                    self._cv.wait(IDLE_TRIM_SECONDS)
+                    if not self._stopping and not self._waiting and not self._active:
+                        self.engine.buffers.trim()
+                        release_free_memory()
                 while not self._stopping and not self._waiting and not self._active:
                     self._cv.wait()
                 if self._stopping:

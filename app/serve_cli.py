@@ -39,9 +39,13 @@ def add_parser(sub) -> None:
     p.add_argument("--admin-key", default=None,
                    help="a stats-page viewer presenting this key sees every request's text (also an API key)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: the cores torch may use); prefills of 128+ rows use them all")
+                   help="torch CPU threads (default: the cores torch may use); target forwards of "
+                        "--large-forward-rows rows or more use them all")
     p.add_argument("--step-threads", type=int, default=None,
                    help="torch threads of decode, verify and drafting (default: one fewer than --threads, at least 1)")
+    p.add_argument("--large-forward-rows", type=int, default=None,
+                   help="target forwards of this many rows or more (prefills, several requests' verify rows) run "
+                        "on --threads, smaller ones on --step-threads (default: whiflash_core.engine.LARGE_FORWARD_ROWS)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"],
                    help="where the target and drafters run (default: cuda when available, else cpu)")
     p.add_argument("--max-active", type=int, default=None, help="generations interleaved at once (default 16)")
@@ -104,7 +108,8 @@ def replica_settings_from_args(args: argparse.Namespace):
 
 def load_server_engine(settings: Settings) -> Engine:
     """The engine a server (or one replica) serves: rounds on `step_threads` (the cost model is timed
-    so), prefills of LARGE_FORWARD_ROWS rows or more on all `threads` (Engine.threads_for)."""
+    so), target forwards of LARGE_FORWARD_ROWS rows or more (prefills, several requests' verify
+    rows) on all `threads` (Engine.threads_for)."""
     import torch
 
     from whiflash_core.loading import load_engine
@@ -114,6 +119,8 @@ def load_server_engine(settings: Settings) -> Engine:
     engine = load_engine(settings.model, settings.drafters, settings.dtype, threads=step_threads,
                          weights=settings.weights, device=settings.device)
     engine.large_threads = threads
+    if settings.large_forward_rows is not None:
+        engine.large_from_rows = settings.large_forward_rows
     return engine
 
 

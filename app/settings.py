@@ -24,10 +24,15 @@ class Settings(BaseSettings):
         "auto", description="auto: timed on this CPU per phase (whiflash info); int4: the GGUF's Q4_1 "
                             "blocks; int8: per-row int8 linears; dense: the dtype's own weights")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's, the cores it may "
-                                                        "use); a prefill of 128 rows or more runs on all of them")
+                                                        "use); target forwards of `large_forward_rows` rows or "
+                                                        "more run on all of them")
     step_threads: int | None = Field(
         None, ge=1, description="torch threads of decode, verify and drafting (default: one fewer than `threads`, "
                                 "at least 1: the HTTP loop, tokenizer and clients keep a core; Engine.threads_for)")
+    large_forward_rows: int | None = Field(
+        None, ge=1, description="target forwards of this many rows or more (prefills, several requests' verify "
+                                "rows) run on `threads`, smaller ones on `step_threads` (default: "
+                                "whiflash_core.engine.LARGE_FORWARD_ROWS)")
     device: Literal["cpu", "cuda"] | None = Field(None, description="cuda or cpu (default: cuda when available)")
     served_model_name: str | None = None
     model_aliases: Annotated[list[str], NoDecode] = Field(

@@ -206,3 +206,11 @@ def test_large_forwards_alone_run_on_the_large_thread_count(monkeypatch):
     engine.large_threads = None   # unset: every forward on the caller's threads
     engine.generate(request)
     assert {threads for _, threads in seen} == {before}
+
+    seen.clear()
+    engine.large_threads, engine.large_from_rows = large, len(prompt) + 1   # --large-forward-rows above the prompt
+    try:
+        engine.generate(request)
+    finally:
+        torch.set_num_threads(before)
+    assert {threads for _, threads in seen} == {before}

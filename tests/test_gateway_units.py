@@ -16,6 +16,7 @@ from app.main import create_app
 from app.output import TextAccumulator
 from app.settings import Settings
 from app.tools import ToolCallParser, parse_tool_calls
+from whiflash_core.buffers import BufferPool
 from whiflash_core.config import SpeculationConfig
 from whiflash_core.rounds import Round, Tally
 
@@ -246,6 +247,7 @@ class FakeEngine:
     vocab_size = 0x110000  # CharTokenizer: token id = code point
     eos_ids = [0]
     methods = ["none", "dflash"]
+    buffers = BufferPool()   # the scheduler trims it when idle
 
     def __init__(self, reply: str, chunk: int = 3, delay: float = 0.0, fail_at_round: int | None = None):
         self.reply, self.chunk, self.delay, self.fail_at_round = reply, chunk, delay, fail_at_round

@@ -30,6 +30,7 @@ from fastapi.testclient import TestClient
 from app.main import create_app
 from test_gateway_units import step_each
 from app.settings import Settings
+from whiflash_core.buffers import BufferPool
 from whiflash_core.rounds import Round, Tally
 
 pytestmark = pytest.mark.timeout(420)
@@ -120,6 +121,7 @@ class FakeEngine:
     max_context = 4096
     eos_ids = [0]
     methods = ["none", "whiflash"]
+    buffers = BufferPool()   # the scheduler trims it when idle
 
     def __init__(self, reply="Hello <b>world</b> & friends", chunk=3, delay=0.0):
         self.reply, self.chunk, self.delay = reply, chunk, delay

@@ -27,6 +27,7 @@ from typing import Protocol
 
 import torch
 
+from .buffers import BufferPool
 from .config import SpeculationConfig
 from .costs import CostModel
 from .drafters.base import Context, Draft, Drafter, DraftSampling
@@ -42,10 +43,13 @@ from .target import TargetModel
 
 log = logging.getLogger(__name__)
 
-# A target forward of this many rows or more (a prompt's prefill: long parallel regions) runs on
-# Engine.large_threads where that is set; the small ones (decode, verify, a cached conversation's
-# new turn) keep the caller's thread count. See Engine.threads_for.
-LARGE_FORWARD_ROWS = 128
+# A target forward of this many rows or more (a prefill, a new agent turn, the verify rows of
+# several requests stepped together, a long draft) runs on Engine.large_threads where that is set;
+# smaller ones (one request's plain step or short verify) keep the caller's thread count. Measured
+# on a 2-core Xeon (AMX) under the agent load test (bench/results/load_pool_threads_xeon.json):
+# 8 streams 187-191 tokens/s with 128 here, 238 with 16, 267-278 with 8, 264-267 with 4; one
+# stream 138-146 (128), 131 (16), 165-175 (8), 178-179 (4). See Engine.threads_for.
+LARGE_FORWARD_ROWS = 8
 
 __all__ = ["METHODS", "Method", "SpeculationConfig", "GenerationRequest", "Engine", "Generation", "Round"]
 
@@ -122,18 +126,22 @@ class Engine:
         self.tap_layers = tuple(taps)
         self.eos_ids = list(target.cfg.eos_token_ids)
         self.prefix_cache = prefix_cache or PrefixCache(0)   # budget 0: off
-        # torch threads for forwards of LARGE_FORWARD_ROWS rows or more (None: the caller's count)
+        self.buffers = BufferPool()   # the requests' KV caches and taps, recycled between requests
+        # torch threads for forwards of large_from_rows rows or more (None: the caller's count)
         self.large_threads: int | None = None
+        self.large_from_rows = LARGE_FORWARD_ROWS
 
     @contextmanager
     def threads_for(self, rows: int):
         """Run a target forward of `rows` rows on `large_threads` threads when it is that large and
         they are set, else on the caller's. A server steps its requests on one core fewer than the
-        machine has (app.settings.step_threads): with every core in OpenMP's team, each of a
+        machine has (app.settings.step_threads): with every core in OpenMP's team, each of a small
         forward's ~150 parallel regions waits whenever the HTTP loop, the tokenizer or a client takes
-        a core, and a 2-core Xeon served one agent stream at 100 tokens/s on 2 threads against 124-133
-        on 1. A prefill's few long regions gain from every core (2,000 rows: 1.42 s on 1, 0.77 s on 2)."""
-        if self.large_threads is None or rows < LARGE_FORWARD_ROWS:
+        a core, and a 2-core Xeon served one agent stream at 100 tokens/s with every forward on 2
+        threads against 124-133 on 1. Forwards of large_from_rows rows or more have regions long
+        enough to gain from every core (alone, 8 rows after 750 cached positions: 16.4 ms on 1
+        thread, 9.6 ms on 2)."""
+        if self.large_threads is None or rows < self.large_from_rows:
             yield
             return
         before = torch.get_num_threads()
@@ -320,12 +328,13 @@ class Generation:
         capacity = p + min(request.max_new_tokens, 256) + self.router.longest_draft + 2
         self.ids = torch.zeros(capacity, dtype=torch.long, device=device)  # prompt, emitted, then the pending one
         self.ids[:p] = torch.tensor(request.prompt_ids, device=device)
-        self.cache = engine.target.new_cache(capacity)
+        # the large buffers come from the engine's pool (recycled, not zeroed: whiflash_core/buffers.py)
+        self.cache = engine.target.new_cache(capacity, engine.buffers.empty)
         # the target taps hidden states only for drafters that read them (not for prompt lookup)
         drafters = self.router.drafters
         self.tap_layers = engine.tap_layers if any(d.tap_layers for d in drafters.values()) else ()
-        self.taps = torch.zeros(capacity, len(self.tap_layers), engine.target.cfg.hidden_size,
-                                dtype=engine.target.dtype, device=device)
+        self.taps = engine.buffers.empty((capacity, len(self.tap_layers), engine.target.cfg.hidden_size),
+                                         engine.target.dtype, device)
         self.states = {name: d.new_state(capacity) for name, d in drafters.items()}
 
         self.output: list[int] = []      # emitted token ids (stop token excluded)
@@ -552,7 +561,7 @@ class Generation:
         size = max(end, 2 * self.ids.shape[0])
         ids = torch.zeros(size, dtype=torch.long, device=self.device)
         ids[: self.ids.shape[0]] = self.ids
-        taps = self.taps.new_zeros((size,) + self.taps.shape[1:])
+        taps = self.engine.buffers.empty((size,) + self.taps.shape[1:], self.taps.dtype, self.device)
         taps[: self.taps.shape[0]] = self.taps
         self.ids, self.taps = ids, taps
 

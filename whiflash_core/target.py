@@ -13,6 +13,7 @@ the lighter int4 / int8 weight formats in quant.py.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -59,14 +60,24 @@ class TargetConfig:
         )
 
 
+Alloc = Callable[[tuple, torch.dtype, torch.device], torch.Tensor]   # (shape, dtype, device) -> tensor
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVCache:
     """Per-request cache: k, v of shape [layers, kv_heads, capacity, head_dim]; `length` is the valid prefix."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 dtype: torch.dtype, device="cpu"):
+                 dtype: torch.dtype, device="cpu", alloc: Alloc | None = None):
+        # alloc: where the buffers come from (a BufferPool's `empty`: recycled and not zeroed;
+        # positions past `length` are never read), default fresh zeros
+        self.alloc = alloc or _zeros
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.k = self.alloc(shape, dtype, device)
+        self.v = self.alloc(shape, dtype, device)
         self.length = 0
         # Whose bits its K/V are: its own (a new lineage) until it copies a prefix-cache entry's
         # positions 0..m-1, which makes them the entry's lineage up to m. Two caches of one lineage
@@ -90,7 +101,7 @@ class KVCache:
         new_cap = max(end, 2 * self.capacity)
         for name in ("k", "v"):
             old = getattr(self, name)
-            new = old.new_zeros(old.shape[:2] + (new_cap,) + old.shape[3:])
+            new = self.alloc(old.shape[:2] + (new_cap,) + old.shape[3:], old.dtype, old.device)
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
@@ -246,9 +257,9 @@ class TargetModel(nn.Module):
         self.__dict__["prefill_twin"] = twin
         self.__dict__["prefill_from_rows"] = from_rows
 
-    def new_cache(self, capacity: int) -> KVCache:
+    def new_cache(self, capacity: int, alloc: Alloc | None = None) -> KVCache:
         c = self.cfg
-        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device)
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, self.dtype, self.device, alloc)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: KVCache, taps: tuple[int, ...] = (),
