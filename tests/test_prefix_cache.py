@@ -22,24 +22,45 @@ def ids(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def test_longest_prefix_in_whole_blocks_and_never_the_whole_prompt():
+def test_longest_prefix_to_the_token_and_never_the_whole_prompt():
     cache = PrefixCache(10**8)
     seq = ids(5 * BLOCK + 7)
     cache.store("", TAPS, seq, *kv(len(seq)), None)
     # the same prompt again: everything cached, but the limit leaves the last token to compute
     hit = cache.lookup("", (TAPS,), seq[: 3 * BLOCK], limit=3 * BLOCK - 1)
-    assert hit.length == 2 * BLOCK
-    # a longer prompt that shares 4 blocks and 10 tokens of the 5th
+    assert hit.length == 3 * BLOCK - 1
+    # a longer prompt that shares 4 blocks and 10 tokens of the 5th: all of them, past the blocks
     other = torch.cat([seq[: 4 * BLOCK + 10], ids(50, seed=1)])
+    assert other[4 * BLOCK + 10] != seq[4 * BLOCK + 10]
     hit = cache.lookup("", (TAPS,), other, limit=len(other) - 1)
-    assert hit.length == 4 * BLOCK
+    assert hit.length == 4 * BLOCK + 10
     assert torch.equal(hit.entry.k[0, 0, : hit.length, 0], torch.arange(hit.length, dtype=torch.float32))
+    # the stored sequence's part block too (its 7 tokens past the 5th block), up to the limit
+    longer = torch.cat([seq, ids(20, seed=2)])
+    assert cache.lookup("", (TAPS,), longer, limit=len(longer) - 1).length == 5 * BLOCK + 7
+    assert cache.lookup("", (TAPS,), longer, limit=5 * BLOCK + 3).length == 5 * BLOCK + 3
+    # shares less than one whole block: nothing (a block's key is what finds an entry)
+    assert cache.lookup("", (TAPS,), torch.cat([seq[:BLOCK - 1], ids(40, seed=3)]), limit=60) is None
     # differs in the first block: nothing
     changed = seq.clone()
     changed[3] += 1
     assert cache.lookup("", (TAPS,), changed, limit=len(changed) - 1) is None
     s = cache.stats
-    assert (s.lookups, s.hits, s.hit_tokens) == (3, 2, 6 * BLOCK)
+    assert (s.lookups, s.hits, s.hit_tokens) == (6, 4, (3 * BLOCK - 1) + (4 * BLOCK + 10) + (5 * BLOCK + 7)
+                                                 + (5 * BLOCK + 3))
+
+
+def test_a_sequence_shorter_than_a_block_is_not_stored_and_a_longer_tail_replaces_a_shorter():
+    cache = PrefixCache(10**8)
+    cache.store("", TAPS, ids(BLOCK - 1), *kv(BLOCK - 1), None)
+    assert cache.stats.entries == 0
+    seq = ids(2 * BLOCK + 20)
+    cache.store("", TAPS, seq[:2 * BLOCK + 5], *kv(2 * BLOCK + 5), None)
+    cache.store("", TAPS, seq, *kv(len(seq)), None)            # same blocks, longer tail
+    assert cache.lookup("", (TAPS,), seq, limit=len(seq)).length == len(seq)
+    assert cache.stats.entries == 1                              # it took over the shorter one's keys
+    cache.store("", TAPS, seq[:2 * BLOCK + 5], *kv(2 * BLOCK + 5), None)   # already held: nothing new
+    assert cache.stats.entries == 1 and cache.lookup("", (TAPS,), seq, limit=len(seq)).length == len(seq)
 
 
 def test_namespaces_and_tapped_layers_are_separate():
@@ -140,9 +161,13 @@ def test_every_method_gives_the_same_tokens_with_the_prefix_cache_float64(method
     assert [o for o, _ in on] == [o for o, _ in off]
     assert [c for _, c in off] == [0, 0, 0, 0]
     cached = [c for _, c in on]
-    assert cached[0] == 0 and all(c > 0 and c % BLOCK == 0 for c in cached[1:]), cached
-    # turn t reuses everything up to turn t-1's answer (the new message is not cached yet)
-    assert cached[2] > cached[1]
+    assert cached[0] == 0
+    # turn t reuses turn t-1's prompt and answer, to the token (all but the answer's last token,
+    # which no forward had run yet; the new message is not cached yet)
+    prompt_len = 70
+    for (output, _), c in zip(on, cached[1:]):
+        assert c == prompt_len + len(output) - 1, cached
+        prompt_len += len(output) + 9
 
 
 def test_tenants_do_not_share_prefixes():
@@ -159,7 +184,7 @@ def test_a_plain_decode_request_reuses_a_prefix_stored_by_a_drafting_one():
     prompt = torch.randint(0, VOCAB, (100,), generator=torch.Generator().manual_seed(4)).tolist()
     eng.generate(GenerationRequest(prompt, 10, speculation=SpeculationConfig(method="whiflash")))
     gen = eng.generate(GenerationRequest(prompt, 10, speculation=SpeculationConfig(method="none")))
-    assert gen.cached_tokens == 96
+    assert gen.cached_tokens == 99   # all but the last prompt token, whose logits choose the first
 
 
 @pytest.mark.numerics
@@ -208,5 +233,5 @@ def test_what_a_running_request_stored_does_not_change_as_it_goes_on(method):
         gen.step()
     assert all(torch.equal(a, b) for a, b in zip(snapshot, entry.tensors()))
     again = eng.generate(GenerationRequest(prompt, 40, speculation=spec))
-    assert again.cached_tokens == 6 * BLOCK
+    assert again.cached_tokens == len(prompt) - 1
     assert again.output == engine(0).generate(GenerationRequest(prompt, 40, speculation=spec)).output

@@ -5,17 +5,22 @@ tool results) and asks for a few dozen tokens; without this cache every turn pre
 vLLM (automatic prefix caching), SGLang (RadixAttention) and llama.cpp server (`cache_prompt`) keep
 the shared prefix; so do we, with the scheme of vLLM's automatic prefix caching:
 
-    blocks    a sequence is cut into blocks of BLOCK tokens; only whole blocks are cached
+    blocks    a sequence is cut into blocks of BLOCK tokens, the keys of its lookup
     key       block i's key = hash(key of block i-1, tokens of block i), seeded with the namespace
               (tenant) and the tapped layers, so one dict lookup per block walks the longest cached
               prefix, and one tenant's prefix can never be found by another
     entry     the K/V (and tapped hidden states, which the drafters catch up from) of one stored
-              sequence, positions 0..n-1, and the K/V the request's drafters had built over it
-              (EAGLE-3's and DFlash's caches), so a request that reuses the prefix starts with its
-              drafters caught up on it too; views of the request's own buffers, not copies (below)
+              sequence, positions 0..n-1 (all of them: past its last whole block too), and the K/V
+              the request's drafters had built over it (EAGLE-3's and DFlash's caches), so a
+              request that reuses the prefix starts with its drafters caught up on it too; views
+              of the request's own buffers, not copies (below)
     lookup    walk the new prompt's block keys while they hit; the entry of the deepest hit holds
               the whole matched prefix (entries always start at position 0); its ids are compared
-              to the prompt's, so a hash collision can only cost a miss, never a wrong answer
+              to the prompt's, so a hash collision can only cost a miss, never a wrong answer; then
+              the match goes on token by token into the entry's part block (as SGLang's radix
+              tree matches): an agent turn reuses everything up to where it differs, not only
+              whole blocks, which left ~BLOCK / 2 tokens a turn to prefill again (under the
+              8-stream agent load, ~16 of the 35 tokens a turn prefilled)
 
 A request stores its prompt after prefill (so concurrent requests that share a system prompt hit)
 and its whole sequence when it finishes (so the next turn of the conversation hits). A newer entry
@@ -50,7 +55,7 @@ MAX_SLACK = 1.5  # an entry keeps views while the buffers they view hold at most
 
 @dataclass
 class Entry:
-    ids: torch.Tensor            # [n] token ids, n a multiple of BLOCK
+    ids: torch.Tensor            # [n] token ids (keys for the n // BLOCK whole blocks)
     k: torch.Tensor              # [layers, kv_heads, n, head_dim]
     v: torch.Tensor
     taps: torch.Tensor | None    # [n, n_taps, hidden], or None when the request tapped no layers
@@ -86,6 +91,13 @@ def held_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def _common_length(cached: torch.Tensor, ids: torch.Tensor, start: int, limit: int) -> int:
+    """How far `cached` and `ids` agree, knowing they do below `start`, up to `limit` tokens."""
+    end = min(cached.shape[0], ids.shape[0], limit)
+    differ = (cached[start:end] != ids[start:end]).nonzero()
+    return start + int(differ[0]) if differ.numel() else end
+
+
 def viewed_bytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -102,7 +114,7 @@ def _compact(views: tuple) -> tuple:
 @dataclass
 class Hit:
     entry: Entry
-    length: int                  # tokens reused (a multiple of BLOCK)
+    length: int                  # tokens reused (at least one BLOCK)
 
 
 @dataclass
@@ -138,8 +150,8 @@ class PrefixCache:
 
     def lookup(self, namespace: str, taps_options: tuple[tuple[int, ...], ...], ids: torch.Tensor,
                limit: int) -> Hit | None:
-        """The longest cached prefix of `ids` of at most `limit` tokens, in whole blocks, among entries
-        stored with any of the given tapped layers."""
+        """The longest cached prefix of `ids` of at most `limit` tokens (one whole block at least)
+        among entries stored with any of the given tapped layers."""
         if not self.enabled:
             return None
         id_list = ids[: (limit // self.block) * self.block].tolist()
@@ -153,6 +165,7 @@ class PrefixCache:
                     best = hit
             if best is None or not torch.equal(best.entry.ids[:best.length], ids[:best.length]):
                 return None
+            best.length = _common_length(best.entry.ids, ids, best.length, limit)
             self._entries.move_to_end(id(best.entry))
             self.stats.hits += 1
             self.stats.hit_tokens += best.length
@@ -171,23 +184,22 @@ class PrefixCache:
               tap_states: torch.Tensor | None,
               drafters: dict[str, tuple[torch.Tensor, torch.Tensor, int]] | None = None,
               lineage: tuple[object, int] | None = None) -> None:
-        """Keep positions 0..n-1 (whole blocks) of a sequence: ids [n'], k/v [layers, kv_heads, >=n', head_dim];
+        """Keep positions 0..n-1 of a sequence (at least one whole block): ids [n], k/v [layers, kv_heads, >=n, head_dim];
         `drafters`: name -> (k, v, s), a drafter's cache, valid at positions < s; `lineage`: the
         (KVCache.lineage, lineage_len) of k/v (default: a lineage of their own).
 
         The entry views k, v, tap_states and the drafter caches (a compact copy where the buffers
         are much larger than what is kept, MAX_SLACK): the caller must never write their first n
         positions again (a request's verified positions, the module docstring)."""
-        n = (ids.shape[0] // self.block) * self.block
-        if not self.enabled or n == 0:
+        n = ids.shape[0]
+        if not self.enabled or n < self.block:
             return
-        id_list = ids[:n].tolist()
-        keys = list(self._keys(namespace, taps, id_list, n // self.block))
+        keys = list(self._keys(namespace, taps, ids.tolist(), n // self.block))
         drafter_kv = {name: _compact((dk[:, :, :min(s, n)], dv[:, :, :min(s, n)]))
                       for name, (dk, dv, s) in (drafters or {}).items() if s > 0}
         with self._lock:
             last = self._by_key.get(keys[-1])
-            if last is not None and torch.equal(last.ids[:n], ids[:n]):
+            if last is not None and last.length >= n and torch.equal(last.ids[:n], ids[:n]):
                 # already cached (an earlier turn or request): keep whichever drafter caches reach further
                 for name, kv in drafter_kv.items():
                     if name not in last.drafters or last.drafters[name][0].shape[2] < kv[0].shape[2]:
