@@ -14,7 +14,8 @@ finish_reason, a usage chunk and `data: [DONE]`.
 Reported: requests, errors (429s apart: those are the server's deliberate admission control),
 incomplete streams, time to first token p50/p95, tokens/s per stream and in total, the prefix
 cache hit rate (prompt tokens answered from cache, from usage and from /metrics), and the server's
-resident memory before and after (`process_resident_memory_bytes` from /metrics).
+resident memory before, right after and --settle-seconds after (`process_resident_memory_bytes`
+from /metrics; right after includes the last requests' buffers, settled what the server keeps).
 """
 from __future__ import annotations
 
@@ -176,6 +177,10 @@ async def run(args) -> dict:
         await asyncio.gather(*(stream_loop(client, i, deadline, args, stats) for i in range(args.streams)))
         wall = time.perf_counter() - t0
     after = scrape(args.url)
+    # and once the server has been idle a moment (it hands its recycled buffers and freed heap back
+    # after app.scheduler.IDLE_TRIM_SECONDS): what stays is growth, not the last requests' buffers
+    await asyncio.sleep(args.settle_seconds)
+    settled = scrape(args.url)
     per_stream = [n / wall for n in stats.per_stream_tokens.values()]
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     result = {
@@ -193,6 +198,9 @@ async def run(args) -> dict:
         "server_rss_before_mb": round(before["rss_bytes"] / 2**20, 1),
         "server_rss_after_mb": round(after["rss_bytes"] / 2**20, 1),
         "server_rss_growth": round(after["rss_bytes"] / before["rss_bytes"] - 1, 4) if before["rss_bytes"] else None,
+        "server_rss_settled_mb": round(settled["rss_bytes"] / 2**20, 1),
+        "server_rss_settled_growth": round(settled["rss_bytes"] / before["rss_bytes"] - 1, 4)
+        if before["rss_bytes"] else None,
         "prefix_cache_mb_after": round(after["prefix_cache_bytes"] / 2**20, 1),
     }
     return result
@@ -208,6 +216,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=6, help="turns per conversation before a new one starts")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--request-timeout", type=float, default=600)
+    ap.add_argument("--settle-seconds", type=float, default=3.0,
+                    help="after the run, wait this long before the settled RSS reading (the server trims when idle)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     server = httpx.get(args.url + "/v1/models", timeout=30,
