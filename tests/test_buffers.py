@@ -70,9 +70,6 @@ class FreshZeros:
     def empty(self, shape, dtype, device="cpu"):
         return torch.zeros(shape, dtype=dtype, device=device)
 
-    def trim(self):
-        pass
-
 
 def run_agent_turns(eng: Engine, prompts: list[list[int]], spec: SpeculationConfig, turns: int, max_new: int,
                     extend) -> list[tuple[list[int], int]]:

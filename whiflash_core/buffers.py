@@ -1,8 +1,9 @@
-"""A pool of the large per-request buffers (the target's KV cache, the tapped hidden states, the
-drafters' caches), recycled from one request to the next.
+"""A pool of the large per-request buffers (the target's KV cache and the tapped hidden states),
+recycled from one request to the next. (The drafters' caches are a few % of those, below glibc's
+mmap threshold: the heap serves them without page faults.)
 
-Why: a request's buffers are megabytes (a 750-token agent turn: ~25 MB of K/V, taps and drafter
-caches in bf16), and each is its own fresh mapping (app/memory.py fixes glibc's mmap threshold so
+Why: a request's buffers are megabytes (a 750-token agent turn: ~20 MB of K/V and taps in bf16),
+and each is its own fresh mapping (app/memory.py fixes glibc's mmap threshold so
 that freed buffers go back to the OS): the first write to every 4 KB page faults and the kernel
 zeroes it. Under an 8-stream agent load that was 18% of the engine thread (py-spy: ~23 ms a
 request in `Generation.__init__` and the prefix copy), and it sat inside every time to first token.
@@ -61,7 +62,7 @@ class BufferPool:
         self._lent: list[torch.Tensor] = []    # flat uint8 buffers in use (someone views them)
         self._free: list[torch.Tensor] = []    # flat uint8 buffers nobody views
         self._lock = threading.Lock()
-        self.reused = 0      # buffers handed out again (for tests and /metrics-style figures)
+        self.reused = 0      # buffers handed out again
         self.allocated = 0   # buffers newly allocated
 
     @property
@@ -84,9 +85,6 @@ class BufferPool:
                 self.reused += 1
             self._lent.append(buf)
         return buf[:need].view(dtype).view(shape)
-
-    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
-        return self.empty(shape, dtype, device).zero_()
 
     def trim(self) -> None:
         """Drop every free buffer (their memory goes back to the OS)."""

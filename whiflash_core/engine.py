@@ -45,10 +45,10 @@ log = logging.getLogger(__name__)
 
 # A target forward of this many rows or more (a prefill, a new agent turn, the verify rows of
 # several requests stepped together, a long draft) runs on Engine.large_threads where that is set;
-# smaller ones (one request's plain step or short verify) keep the caller's thread count. Measured
-# on a 2-core Xeon (AMX) under the agent load test (bench/results/load_pool_threads_xeon.json):
-# 8 streams 187-191 tokens/s with 128 here, 238 with 16, 267-278 with 8, 264-267 with 4; one
-# stream 138-146 (128), 131 (16), 165-175 (8), 178-179 (4). See Engine.threads_for.
+# smaller ones (one request's plain step or short verify) keep the caller's thread count. Of the
+# thresholds 4 to 128 measured under the agent load test on a 2-core Xeon, 8 gave 8 streams the
+# most tokens/s and one stream as many as 4 did (README "Threads",
+# bench/results/load_pool_threads_xeon.json). See Engine.threads_for.
 LARGE_FORWARD_ROWS = 8
 
 __all__ = ["METHODS", "Method", "SpeculationConfig", "GenerationRequest", "Engine", "Generation", "Round"]
