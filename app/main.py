@@ -57,6 +57,7 @@ def create_app(engine: Engine, settings: Settings | None = None) -> FastAPI:
     engine.prefix_cache = PrefixCache(int(settings.prefix_cache_mb * 2**20))
     metrics = Metrics(model_name)
     metrics.bind_prefix_cache(lambda: engine.prefix_cache.stats.stored_bytes)
+    metrics.bind_buffer_pool(lambda: engine.buffers.free_bytes)
     events = EventBus()
     scheduler = Scheduler(engine, metrics, events, max_active=settings.max_active, max_queue=settings.max_queue,
                           request_timeout=settings.request_timeout, shared_forwards=settings.shared_forwards)

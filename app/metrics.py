@@ -61,6 +61,9 @@ class Metrics:
         self.prefix_cache_hits = Counter(f"{P}prefix_cache_hits", "Prompt tokens reused from the prefix cache",
                                          m, registry=r)
         self.prefix_cache_bytes = Gauge(f"{P}prefix_cache_bytes", "Memory held by the prefix cache", m, registry=r)
+        self.buffer_pool_free_bytes = Gauge(f"{P}buffer_pool_free_bytes",
+                                            "Finished requests' K/V and tap buffers kept for the next requests "
+                                            "(handed back to the OS once the server is idle)", m, registry=r)
         self.drafter_failures = Counter(f"{P}spec_decode_drafter_failures",
                                         "Drafters that raised in a round (that request decoded plainly from then on)",
                                         d, registry=r)
@@ -73,6 +76,9 @@ class Metrics:
 
     def bind_prefix_cache(self, stored_bytes: Callable[[], float]) -> None:
         self.prefix_cache_bytes.labels(self.model_name).set_function(stored_bytes)
+
+    def bind_buffer_pool(self, free_bytes: Callable[[], float]) -> None:
+        self.buffer_pool_free_bytes.labels(self.model_name).set_function(free_bytes)
 
     # -- recording (called from the engine worker thread; prometheus_client is thread-safe) --------
 

@@ -45,8 +45,11 @@ def test_free_buffers_are_bounded_and_trimmed():
     pool = BufferPool(keep_bytes=3 * MB)
     held = [pool.empty((MB,), torch.uint8) for _ in range(5)]
     del held
-    pool.empty((16,), torch.uint8)    # collects: 5 MB free, 3 kept
-    assert pool.free_bytes <= 3 * MB
+    small = pool.empty((16,), torch.uint8)    # collects: 5 MB free, 3 kept (none of them lent for 16 bytes)
+    assert pool.free_bytes == 3 * MB
+    again = pool.empty((MB,), torch.uint8)
+    assert pool.free_bytes == 2 * MB and pool.reused == 1
+    del again, small
     pool.trim()
     assert pool.free_bytes == 0
 

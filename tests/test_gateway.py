@@ -527,3 +527,4 @@ def test_agent_turns_reuse_the_prefix_and_answer_the_same(live_server, client):
     hits = re.search(r'whiflash:prefix_cache_hits_total\{model_name="[^"]+"\} (\S+)', text)
     assert hits and float(hits.group(1)) >= cached
     assert re.search(r'whiflash:prefix_cache_bytes\{model_name="[^"]+"\} [1-9]', text)
+    assert re.search(r'whiflash:buffer_pool_free_bytes\{model_name="[^"]+"\} \d', text)

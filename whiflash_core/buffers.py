@@ -61,13 +61,10 @@ class BufferPool:
         self.keep_bytes = keep_bytes
         self._lent: list[torch.Tensor] = []    # flat uint8 buffers in use (someone views them)
         self._free: list[torch.Tensor] = []    # flat uint8 buffers nobody views
+        self.free_bytes = 0                     # their bytes (read by /metrics from another thread)
         self._lock = threading.Lock()
         self.reused = 0      # buffers handed out again
         self.allocated = 0   # buffers newly allocated
-
-    @property
-    def free_bytes(self) -> int:
-        return sum(b.numel() for b in self._free)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
         """An uninitialised tensor of `shape` (a view of a pooled buffer: it may hold an earlier
@@ -91,6 +88,7 @@ class BufferPool:
         with self._lock:
             self._collect()
             self._free.clear()
+            self.free_bytes = 0
 
     def _collect(self) -> None:
         """Move the lent buffers that no tensor views any more to the free list, then drop the
@@ -100,12 +98,17 @@ class BufferPool:
             (self._free if _users(buf) <= _ALONE else still).append(buf)
         self._lent = still
         self._free.sort(key=lambda b: b.numel())
-        while self._free and self.free_bytes > self.keep_bytes:
-            self._free.pop()
+        free = sum(b.numel() for b in self._free)
+        while self._free and free > self.keep_bytes:
+            free -= self._free.pop().numel()
+        self.free_bytes = free
 
     def _take(self, need: int) -> torch.Tensor | None:
         """The smallest free buffer of at least `need` bytes and at most MAX_WASTE times them."""
         for i, buf in enumerate(self._free):   # sorted by size
             if buf.numel() >= need:
-                return self._free.pop(i) if buf.numel() <= MAX_WASTE * size_class(need) else None
+                if buf.numel() > MAX_WASTE * size_class(need):
+                    return None
+                self.free_bytes -= buf.numel()
+                return self._free.pop(i)
         return None
