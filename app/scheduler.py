@@ -231,12 +231,12 @@ class Scheduler:
                 # idle for IDLE_TRIM_SECONDS: hand the recycled buffers and the freed heap back to
                 # the OS (not at once: an agent's next turn, or one stream's next request, comes
                 # within milliseconds and reuses them)
-                if not self._stopping and not self._waiting and not self._active:
+                if self._idle():
                     self._cv.wait(IDLE_TRIM_SECONDS)
-                    if not self._stopping and not self._waiting and not self._active:
+                    if self._idle():
                         self.engine.buffers.trim()
                         release_free_memory()
-                while not self._stopping and not self._waiting and not self._active:
+                while self._idle():
                     self._cv.wait()
                 if self._stopping:
                     break
@@ -254,6 +254,10 @@ class Scheduler:
             slot.gen.cancel()
             slot.handle._push(Failed(APIError("server shutting down", 503, "server_error", None, "shutdown")))
         self._active.clear()
+
+    def _idle(self) -> bool:
+        """Nothing to do and not stopping (called with _cv held)."""
+        return not self._stopping and not self._waiting and not self._active
 
     def _start(self, handle: RequestHandle) -> None:
         now = time.perf_counter()

@@ -71,7 +71,7 @@ class BufferPool:
         request's values; write before you read). Off the CPU it is a plain torch.empty."""
         if torch.device(device).type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
-        need = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        need = math.prod(shape) * dtype.itemsize
         with self._lock:
             self._collect()
             buf = self._take(need)
