@@ -52,9 +52,26 @@ def _pytorch_attention(qkv, cos, sin, k_cache, v_cache, start, nh, nkv, hd, dtyp
     return attend(q, k, v, attention_mask(t, start, nh, nkv, q.dtype))
 
 
+HAS_TILES = decode_ops.available() and decode_ops.use_amx_attention(True)
+decode_ops.use_amx_attention(False)
+
+
+@pytest.fixture(params=["fma", "tiles"])
+def attention_path(request):
+    """Each attention test twice where the CPU has AMX: with the float32 FMA path and with the tile
+    path (kernels/decode_ops.c attend_lanes_task_amx, 8 or more queries a kv head, hd = 64)."""
+    if request.param == "tiles" and not HAS_TILES:
+        pytest.skip("this CPU (or this build: AVX2 class) has no AMX tiles: the FMA path is the only one")
+    decode_ops.use_amx_attention(request.param == "tiles")
+    yield request.param
+    from whiflash_core import tiles
+    tiles.apply(tiles.current())   # what the process had chosen (tests alone: off)
+
+
 @pytest.mark.parametrize("hd", [32, 64, 128])
-@pytest.mark.parametrize("t,start", [(1, 0), (1, 63), (2, 63), (2, 200), (3, 62), (8, 64), (5, 300), (16, 50)])
-def test_attention_writes_the_cache_and_attends_as_sdpa(hd, t, start):
+@pytest.mark.parametrize("t,start", [(1, 0), (1, 63), (2, 63), (2, 200), (3, 62), (8, 64), (5, 300), (16, 50),
+                                     (4, 17), (11, 100)])
+def test_attention_writes_the_cache_and_attends_as_sdpa(hd, t, start, attention_path):
     """Rotary and the cache writes are PyTorch's bits; the attention output is as close to a
     float64 attention over the same q/k/v as SDPA's bf16 result is (chunks of 64 keys: both sides
     of a chunk edge; t = 2 after 63: the last chunk holds keys of row 1 only, none of row 0's)."""
@@ -64,17 +81,20 @@ def test_attention_writes_the_cache_and_attends_as_sdpa(hd, t, start):
     cos, sin = rotary.tables(slice(start, start + t), torch.bfloat16)
     qkv = (torch.randn(t, (nh + 2 * nkv) * hd) * 2).bfloat16()
     k_ref, v_ref = torch.randn(nkv, start + t + 7, hd).bfloat16(), torch.randn(nkv, start + t + 7, hd).bfloat16()
+    k_ref[:, start + t:] = v_ref[:, start + t:] = float("nan")   # past the sequence: never read
     k_got, v_got = k_ref.clone(), v_ref.clone()
     sdpa = _pytorch_attention(qkv, cos, sin, k_ref, v_ref, start, nh, nkv, hd)
     got = decode_ops.attend_rows(qkv, cos, sin, k_got, v_got, start, nh, nkv)
-    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+    assert torch.equal(k_got.nan_to_num(), k_ref.nan_to_num())
+    assert torch.equal(v_got.nan_to_num(), v_ref.nan_to_num())
     exact = _pytorch_attention(qkv, cos, sin, k_ref.clone(), v_ref.clone(), start, nh, nkv, hd, torch.float64)
     sdpa_err = (sdpa.double() - exact).abs().max()
+    assert not got.isnan().any()
     assert (got.double() - exact).abs().max() <= 1.5 * sdpa_err + 1e-6
 
 
 @pytest.mark.parametrize("t", [2, 6, 16])
-def test_attention_rows_do_not_mix(t):
+def test_attention_rows_do_not_mix(t, attention_path):
     """Row i of a t-row call does not depend on the other rows' queries, bit for bit: every query is
     computed alone (in its own lane where AVX-512 puts 16 queries in a vector), over keys cut into
     chunks at fixed positions. (A 1-row call may take the other kernel path: see decode_ops.c.)"""

@@ -130,3 +130,54 @@ def test_bf16_results_are_the_float32_ones_rounded_as_pytorch_rounds():
         assert torch.equal(y, q4_1_kernel.matmul(x, qw, dw, mw).to(torch.bfloat16))
     lin = Q41Linear(q, d, m)
     assert torch.equal(lin(x), q4_1_kernel.matmul(x, qw, dw, mw).to(torch.bfloat16))
+
+
+# AMX tiles (kernels/q4_1.c amx_matmul): only where this CPU and its OS have them
+HAS_TILES = BUILDABLE and q4_1_kernel.use_amx(1)
+q4_1_kernel.use_amx(0)
+needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="this CPU (or this build: AVX2 class) has no AMX tiles; "
+                                 "the VNNI path the other tests check is then the only one")
+
+
+@pytest.fixture
+def tiles_off_after():
+    yield
+    from whiflash_core import tiles
+    tiles.apply(tiles.current())   # what the process had chosen (tests alone: off)
+
+
+@needs_tiles
+@pytest.mark.parametrize("n,k", [(16, 32), (960, 576), (576, 1536), (48, 96)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_the_tile_path_is_the_vnni_path_bit_for_bit(n, k, x_dtype, tiles_off_after):
+    """The same integer dot products (TDPBSUD instead of dpbusd) and the same float32 scaling in the
+    same order: equal results for every row count (whole tiles of 16 rows, partial ones, one row),
+    stored as float32 and as bf16."""
+    q, d, m = _blocks(n, k, seed=n + k)
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+    for rows in (1, 5, 15, 16, 17, 40):
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(x_dtype)
+        for out in (torch.float32, torch.bfloat16):
+            q4_1_kernel.use_amx(0)
+            plain = q4_1_kernel.matmul(x, qw, dw, mw, out)
+            assert q4_1_kernel.use_amx(1)
+            tiled = q4_1_kernel.matmul(x, qw, dw, mw, out)
+            assert torch.equal(plain, tiled), (n, k, rows, out)
+
+
+@needs_tiles
+def test_tiles_start_at_their_row_count(tiles_off_after):
+    """use_amx(from_rows): calls of fewer rows keep the VNNI path, as do all calls after use_amx(0)
+    (the results are the same either way: the kernel counts the calls that took tiles)."""
+    q, d, m = _blocks(64, 576)
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+
+    def tiled(rows: int) -> bool:
+        before = q4_1_kernel.amx_calls()
+        q4_1_kernel.matmul(torch.randn(rows, 576), qw, dw, mw)
+        return q4_1_kernel.amx_calls() == before + 1
+
+    assert q4_1_kernel.use_amx(16)
+    assert not tiled(15) and tiled(16) and tiled(40)
+    assert not q4_1_kernel.use_amx(0)
+    assert not tiled(16) and not tiled(40)

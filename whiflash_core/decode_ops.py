@@ -54,7 +54,16 @@ def _library() -> ctypes.CDLL | None:
     lib.mlp2_f32.restype = None
     lib.mlp2_at_f32.argtypes = [p, i64, ctypes.c_int, p, i64, p, p, i64, p, p, i64, p]
     lib.mlp2_at_f32.restype = None
+    lib.attention_amx_enable.argtypes = [ctypes.c_int]
+    lib.attention_amx_enable.restype = ctypes.c_int
     return lib
+
+
+def use_amx_attention(on: bool) -> bool:
+    """Attend 8 or more queries a kv head with AMX tiles (kernels/decode_ops.c) where this
+    machine's build has them and the OS grants them; returns whether it does."""
+    lib = _library()
+    return lib is not None and bool(lib.attention_amx_enable(int(on)))
 
 
 def available() -> bool:

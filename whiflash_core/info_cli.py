@@ -48,4 +48,14 @@ def run(args: argparse.Namespace) -> int:
     head = f", LM head {f['head']}" if f["weights"] != "dense" else ""
     print(f"choice (--weights auto): decode/verify {f['dtype']} activations with {f['weights']} weights{head}; "
           f"prefill {prefill}")
+    if f["weights"] == "q4_1":   # timed at every load, not cached (well under a second)
+        from . import tiles
+        settings, timings = tiles.choose(cfg)
+        if not timings:
+            print("AMX tiles: not on this machine (or WHIFLASH_TILES=0)")
+        else:
+            linear = " ".join(f"{r}:{p[0]:.3f}/{p[1]:.3f}" for r, p in timings["linear_gate_up_ms"].items())
+            print(f"AMX tiles: Q4_1 matmuls from {settings.linear_from_rows or 'no'} rows (gate_up ms plain/tiles by rows: "
+                  f"{linear}); attention {'on' if settings.attention else 'off'} "
+                  f"(ms plain/tiles: {'/'.join(f'{t:.3f}' for t in timings['attention_ms']) or '-'})")
     return 0

@@ -25,7 +25,7 @@ import torch
 from .drafters.dflash import SMOLLM2_MASK_TOKEN_ID, DFlashConfig, DFlashDrafter, default_target_layer_ids
 from .drafters.eagle3 import Eagle3Config, Eagle3Drafter
 from .embedded import EMBEDDED_GGUF, EMBEDDED_NAME, embedded_model_dir
-from . import costs, decode_ops
+from . import costs, decode_ops, tiles
 from .acceptance import load_copy_prior
 from .cache import cache_root
 from .engine import Engine
@@ -255,6 +255,8 @@ def load_target(path: str | None = None, dtype: str | torch.dtype = "bfloat16", 
                         head=formats.head if formats is not None else "int8")
     if twin is not None:
         model.set_prefill_twin(twin, prefill_from)
+    if weights == "q4_1":   # the C kernels' AMX paths, where they win on this machine
+        model.tiles, model.tile_timings = tiles.choose(model.cfg)
     model.formats = formats
     return model, tok
 

@@ -459,7 +459,9 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
 
 def _target_key(target, taps: tuple[int, ...]) -> dict:
     """What a timing of the loaded target depends on (its cache key): this machine, the device, the
-    model's shape, dtype and formats, its linears' kinds, the tapped layers."""
+    model's shape, dtype and formats, its linears' kinds, the tapped layers, the kernels' tiles."""
+    from . import tiles   # imported here: tiles -> q4_1_kernel -> native -> this module
+
     cfg = target.cfg
     shape = {k: getattr(cfg, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                                            "num_heads", "num_kv_heads", "head_dim")}
@@ -467,7 +469,8 @@ def _target_key(target, taps: tuple[int, ...]) -> dict:
     linears = sorted({type(m).__name__ for m in target.modules() if "Linear" in type(m).__name__})
     device = torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu"
     return {"v": VERIFY_CACHE_VERSION, "machine": cpu_info(), "device": device, "shape": shape,
-            "dtype": str(target.dtype), "formats": fmt, "linears": linears, "taps": list(taps)}
+            "dtype": str(target.dtype), "formats": fmt, "linears": linears, "taps": list(taps),
+            "tiles": dataclasses.asdict(tiles.current())}
 
 
 def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,

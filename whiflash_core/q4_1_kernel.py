@@ -34,7 +34,25 @@ def _library() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int  # 0, or -1 when its work memory could not be allocated
     lib.q4_1_layout.argtypes = [i64]
     lib.q4_1_layout.restype = ctypes.c_int
+    lib.q4_1_amx_enable.argtypes = [i64]
+    lib.q4_1_amx_enable.restype = ctypes.c_int
+    lib.q4_1_amx_calls.argtypes = []
+    lib.q4_1_amx_calls.restype = i64
     return lib
+
+
+def use_amx(from_rows: int) -> bool:
+    """Multiply calls of at least `from_rows` rows (0: none) with AMX tiles where this machine's
+    kernel has them and the OS grants them (kernels/q4_1.c: the same results as without); returns
+    whether it does."""
+    lib = _library()
+    return lib is not None and bool(lib.q4_1_amx_enable(from_rows)) and from_rows > 0
+
+
+def amx_calls() -> int:
+    """How many matmuls took the tile path in this process (they return what the VNNI path would)."""
+    lib = _library()
+    return int(lib.q4_1_amx_calls()) if lib is not None else 0
 
 
 def outputs_in_lanes(n: int) -> bool:

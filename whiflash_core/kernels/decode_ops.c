@@ -15,12 +15,15 @@
 // it; tests/test_decode_ops.py pins the agreement with PyTorch's ops).
 //
 // Built and loaded as kernels/q4_1.c is (whiflash_core/native.py), threaded on PyTorch's libgomp.
+#define _GNU_SOURCE   // syscall()
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 // ------------------------------------------------------------------ bf16 <-> float32
 
@@ -319,6 +322,185 @@ static void attend_lanes_task(const float *qt, const int32_t *rows, const uint16
     }
 }
 
+
+// ------------------------------------------------------------------ attention in lanes, AMX
+//
+// Where the CPU has AMX-BF16, attend_lanes_task's two products run as tile multiplies on the bf16
+// cache itself (no float32 copies of the chunk), 16 keys by 16 queries by 32 dims an instruction:
+//     scores:  S^T [16 keys][16 queries] = K [16 keys][hd] . Q^T      (tile A: the cache's K rows
+//              as they lie; tile B: the queries' dims in pairs, laid out once per call)
+//     values:  O^T [16 dims][16 queries] += V^T [16 dims][32 keys] . P^T   (tile A: the chunk's V
+//              transposed once per task; tile B: the probabilities in bf16, key pairs by query)
+// S^T has attend_lanes_task's layout sc [key][lane] and O^T its parts' [d][lane], so the causal
+// mask, the softmax and the merge are that function's, unchanged. What differs is the rounding:
+// products of bf16 values summed in float32 in the tile unit's order (not the FMA chain's), and p
+// rounded to bf16 before the value product (as flash-attention kernels do). Each output element
+// is still its own sum, so a row's result does not depend on the other rows of its call. hd = 64.
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define AMX_ATTENTION 1
+// GCC's tile intrinsics are asm statements that do not tell the compiler what memory they read
+// (tileloadd none, ldtilecfg only its first 8 bytes): a compiler barrier before each keeps the
+// stores they read from being dropped or moved past them at -O3.
+#define TILE_BARRIER() __asm__ volatile("" ::: "memory")
+#define tile_load(t, base, stride) do { TILE_BARRIER(); _tile_loadd(t, base, stride); } while (0)
+static int amx_attention = 0;
+
+// Linux gives a process the AMX tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction is an illegal instruction.
+int attention_amx_enable(int on) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_attention = on && permitted;
+    return amx_attention;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Every tile 16 rows of 64 bytes: 0-3 O^T (dims 0-15 .. 48-63), 4 S^T, 5 an A operand, 6-7 B operands.
+static void amx_configure_attention(void) {
+    struct tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    TILE_BARRIER();
+    _tile_loadconfig(&cfg);
+}
+
+// r[i] (16 rows of 16 dwords) -> r[j] = column j: unpack pairs, then quads, then 4x4 of 128-bit lanes.
+static inline void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {   // u[i + c], lane L: rows i..i+3 at column 4L + c
+        u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        const __m512i b0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), b1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+        const __m512i b2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), b3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+        r[c] = _mm512_shuffle_i32x4(b0, b2, 0x88);
+        r[4 + c] = _mm512_shuffle_i32x4(b0, b2, 0xDD);
+        r[8 + c] = _mm512_shuffle_i32x4(b1, b3, 0x88);
+        r[12 + c] = _mm512_shuffle_i32x4(b1, b3, 0xDD);
+    }
+}
+
+// attend_lanes_task with tiles (hd = 64). qb: the queries as tile B, [nkv][blocks][2 halves of
+// hd][16 dim pairs][16 lanes] dwords.
+static void attend_lanes_task_amx(const uint32_t *qb, const int32_t *rows, const uint16_t *kc, const uint16_t *vc,
+        float *parts, int64_t g, int64_t c, int64_t j0, int64_t nk, int64_t chunks, int64_t blocks,
+        int64_t start, int64_t cap, float scale) {
+    enum { HD = 64 };
+    const int64_t part = (HD + 2) * LANES, halves = (nk + 31) / 32, kblocks = (nk + 15) / 16;
+    const uint16_t *kg = kc + (g * cap + j0) * HD, *vg = vc + (g * cap + j0) * HD;
+    amx_configure_attention();
+    // V^T of the chunk as tile A operands: vt[half][dim tile][16 dims][16 key pairs] dwords, keys
+    // past nk zero (their p is 0, but a cache's unused rows may hold anything, NaN included)
+    uint32_t vt[2][4][16 * 16] __attribute__((aligned(64)));
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                        39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t h = 0; h < halves; h++) {
+        __m512i y[4][16];   // y[dim tile][pair]: dims' (V[2i][d], V[2i + 1][d]) dwords
+        for (int i = 0; i < 16; i++) {
+            const int64_t j = 32 * h + 2 * i;
+            __m512i a[2], b[2];
+            for (int w = 0; w < 2; w++) {
+                a[w] = j < nk ? _mm512_loadu_si512(vg + j * HD + 32 * w) : _mm512_setzero_si512();
+                b[w] = j + 1 < nk ? _mm512_loadu_si512(vg + (j + 1) * HD + 32 * w) : _mm512_setzero_si512();
+                y[2 * w][i] = _mm512_permutex2var_epi16(a[w], lo, b[w]);
+                y[2 * w + 1][i] = _mm512_permutex2var_epi16(a[w], hi, b[w]);
+            }
+        }
+        for (int dt = 0; dt < 4; dt++) {
+            transpose16(y[dt]);
+            for (int d = 0; d < 16; d++) _mm512_store_si512(vt[h][dt] + 16 * d, y[dt][d]);
+        }
+    }
+    uint16_t kpad[16 * HD] __attribute__((aligned(64)));   // a last block of fewer than 16 keys, zero-filled
+    float sc[CHUNK * LANES] __attribute__((aligned(64)));
+    uint32_t pb[16 * 16] __attribute__((aligned(64)));
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint32_t *q = qb + (g * blocks + b) * 2 * 256;
+        const __m512i row = _mm512_loadu_si512(rows + b * LANES);
+        for (int64_t kb = 0; kb < kblocks; kb++) {
+            const uint16_t *k = kg + 16 * kb * HD;
+            if (16 * kb + 16 > nk) {
+                memset(kpad, 0, sizeof kpad);
+                memcpy(kpad, k, (nk - 16 * kb) * HD * sizeof(uint16_t));
+                k = kpad;
+            }
+            _tile_zero(4);
+            tile_load(5, k, HD * 2);
+            tile_load(6, q, 64);
+            _tile_dpbf16ps(4, 5, 6);
+            tile_load(5, k + 32, HD * 2);
+            tile_load(7, q + 256, 64);
+            _tile_dpbf16ps(4, 5, 7);
+            _tile_stored(4, sc + 16 * kb * LANES, 64);
+        }
+        // scale, causal mask, max, exp: attend_lanes_task's
+        const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+        __m512 m = ninf;
+        int64_t j;
+        for (j = 0; j < nk; j++) {
+            __m512 s = _mm512_mul_ps(_mm512_load_ps(sc + j * LANES), sv);
+            if (j0 + j > start)
+                s = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(row, _mm512_set1_epi32((int)(j0 + j - start)), _MM_CMPINT_NLT),
+                                         ninf, s);
+            _mm512_store_ps(sc + j * LANES, s);
+            m = _mm512_max_ps(m, s);
+        }
+        const __m512 m0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), m, _mm512_setzero_ps());
+        __m512 l = _mm512_setzero_ps();
+        for (j = 0; j < nk; j++) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sc + j * LANES), m0));
+            _mm512_store_ps(sc + j * LANES, e);
+            l = _mm512_add_ps(l, e);
+        }
+        for (; j < 32 * halves; j++) _mm512_store_ps(sc + j * LANES, _mm512_setzero_ps());
+        // O^T += V^T . P^T, half by half of the chunk's keys
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                               23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int64_t h = 0; h < halves; h++) {
+            for (int i = 0; i < 16; i++) {   // P^T pairs: lane n's (p[2i][n], p[2i + 1][n])
+                const float *p = sc + (32 * h + 2 * i) * LANES;
+                const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(_mm512_load_ps(p + LANES), _mm512_load_ps(p));
+                _mm512_store_si512(pb + 16 * i, _mm512_permutexvar_epi16(pairs, both));
+            }
+            tile_load(6, pb, 64);
+            tile_load(5, vt[h][0], 64);
+            _tile_dpbf16ps(0, 5, 6);
+            tile_load(5, vt[h][1], 64);
+            _tile_dpbf16ps(1, 5, 6);
+            tile_load(5, vt[h][2], 64);
+            _tile_dpbf16ps(2, 5, 6);
+            tile_load(5, vt[h][3], 64);
+            _tile_dpbf16ps(3, 5, 6);
+        }
+        float *pt = parts + ((g * chunks + c) * blocks + b) * part;
+        _tile_stored(0, pt, 64);
+        _tile_stored(1, pt + 16 * LANES, 64);
+        _tile_stored(2, pt + 32 * LANES, 64);
+        _tile_stored(3, pt + 48 * LANES, 64);
+        _mm512_storeu_ps(pt + HD * LANES, m);
+        _mm512_storeu_ps(pt + (HD + 1) * LANES, l);
+    }
+    _tile_release();
+}
+#endif
+
 // ------------------------------------------------------------------ attention, few queries, AVX-512
 //
 // Below LANES_FROM queries a kv head (a 1-row decode: 3 in SmolLM2; 2 rows: 6) the lanes above
@@ -503,6 +685,24 @@ static int attend_lanes(const uint16_t *q, const uint16_t *kc, const uint16_t *v
             }
         }
     const float scale = 1.0f / sqrtf((float)hd);
+#if defined(AMX_ATTENTION)
+    uint32_t *qb = NULL;   // the queries as attend_lanes_task_amx's tile B: [g][block][half][pair][lane]
+    if (amx_attention && hd == 64 && (qb = aligned_alloc(64, nkv * blocks * 2 * 256 * sizeof(uint32_t))) != NULL) {
+        for (int64_t g = 0; g < nkv; g++)
+            for (int64_t qi = 0; qi < blocks * LANES; qi++) {
+                const uint32_t *src = (const uint32_t *)(q + ((qi / group) * nh + g * group + qi % group) * hd);
+                uint32_t *dst = qb + (g * blocks + qi / LANES) * 512 + qi % LANES;
+                for (int64_t kk = 0; kk < 32; kk++) dst[(kk / 16) * 256 + (kk % 16) * 16] = qi < nq ? src[kk] : 0;
+            }
+#pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
+        for (int64_t task = 0; task < nkv * chunks; task++) {
+            const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
+            const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
+            attend_lanes_task_amx(qb, rows, kc, vc, parts, g, c, j0, nk, chunks, blocks, start, cap, scale);
+        }
+        free(qb);
+    } else
+#endif
 #pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
     for (int64_t task = 0; task < nkv * chunks; task++) {
         const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
@@ -1090,3 +1290,7 @@ void mlp2_at_f32(const void *hidden, int64_t d, int hidden_bf16, const float *sc
     memcpy(x + d, scalars, ns * sizeof(float));
     mlp2_f32(x, d + ns, w1, b1, Hd, w2, b2, O, out);
 }
+
+#if !defined(AMX_ATTENTION)
+int attention_amx_enable(int on) { (void)on; return 0; }
+#endif

@@ -42,7 +42,10 @@
 // Built on the machine that runs it (whiflash_core/q4_1_kernel.py: cc -O3 -march=native, or the
 // AVX2 class when ATEN_CPU_CAPABILITY=avx2 forces it), loaded with ctypes, threaded with the
 // OpenMP runtime PyTorch already loaded (same libgomp soname, so one thread pool).
+#define _GNU_SOURCE   // syscall()
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -129,13 +132,16 @@ static void quantize_row(const void *x, int bf16, int64_t K, int natural, int8_t
     }
 }
 
-// All M rows of x -> one allocation holding qx [M, np * 32], then dx and sx [M, np] (np = K / 32
-// with `natural`, else padded_blocks); the caller frees it. NULL if it could not be allocated.
-static int8_t *quantize_rows(const void *x, int x_bf16, int64_t M, int64_t K, int natural, float **dx, float **sx) {
+// All M rows of x -> one allocation holding qx [P, np * 32] (rows M..P-1 zero: P >= M pads to
+// whole AMX tiles), then dx and sx [M, np] (np = K / 32 with `natural`, else padded_blocks); the
+// caller frees it. NULL if it could not be allocated.
+static int8_t *quantize_rows(const void *x, int x_bf16, int64_t M, int64_t P, int64_t K, int natural, float **dx,
+                             float **sx) {
     const int64_t np = natural ? K / QK : padded_blocks(K), row_bytes = K * (x_bf16 ? 2 : 4);
-    int8_t *qx = malloc(M * np * (QK + 2 * sizeof(float)));
+    int8_t *qx = malloc(P * np * QK + M * np * 2 * sizeof(float));
     if (qx == NULL) return NULL;
-    *dx = (float *)(qx + M * np * QK);
+    __builtin_memset(qx + M * np * QK, 0, (P - M) * np * QK);
+    *dx = (float *)(qx + P * np * QK);
     *sx = *dx + M * np;
     for (int64_t r = 0; r < M; r++)
         quantize_row((const char *)x + r * row_bytes, x_bf16, K, natural, qx + r * np * QK, *dx + r * np, *sx + r * np);
@@ -348,7 +354,7 @@ static int lanes_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
                         const uint16_t *mw, int64_t N, void *y, int y_bf16) {
     const int64_t nb = K / QK, groups = N / 16;
     float *dx, *sx;
-    int8_t *work = quantize_rows(x, x_bf16, M, K, 1, &dx, &sx), *qx = work;
+    int8_t *work = quantize_rows(x, x_bf16, M, M, K, 1, &dx, &sx), *qx = work;
     if (work == NULL) return -1;
 #pragma omp parallel
     {
@@ -372,7 +378,166 @@ static int lanes_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
     free(work);
     return 0;
 }
+
+// ------------------------------------------------------------------ outputs in lanes, AMX
+//
+// Where the CPU has AMX (Sapphire Rapids and later Xeons), a verify of many rows or a prefill
+// is bound by lanes_tile's instructions: 8 dpbusd and ~6 more per row, block and 16 outputs. One
+// TDPBSUD instead takes the integer dot products of 16 rows of x with 16 output rows over a block
+// (x signed in tile A [16 rows][32 bytes], the weights unsigned in tile B [8][64], C [16][16]
+// int32), and what is left per row and block is the scaling lanes_tile does, in the same order:
+//     acc += (d * dx) * dot + m * sx          (16 outputs in lanes)
+// The integer dot products are exact either way, so the results are lanes_matmul's bit for bit
+// (tests/test_q4_1_kernel.py), and a row's result still never depends on the other rows.
+// The packed weights are already tile B's layout, two nibbles to a byte: vector j of a block
+// holds B's row j (k = 4j..4j+3) in its low nibbles and row j + 4 (k = 16 + 4j..) in its high
+// ones; each group's blocks are unpacked once into an L1 buffer for all of x's row tiles.
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#define AMX 1
+// GCC's tile intrinsics are asm statements that do not tell the compiler what memory they read
+// (tileloadd none, ldtilecfg only its first 8 bytes): a compiler barrier before each keeps the
+// stores they read from being dropped or moved past them at -O3.
+#define TILE_BARRIER() __asm__ volatile("" ::: "memory")
+#define tile_load(t, base, stride) do { TILE_BARRIER(); _tile_loadd(t, base, stride); } while (0)
+#define AMX_ROWS 16   // rows of x per tile
+static int64_t amx_from_rows = 0;   // calls of at least this many rows take the AMX path (0: none)
+static int64_t amx_calls = 0;       // calls that took it (for tests: the results are the same either way)
+
+// Linux gives a process the AMX tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); without it the first tile instruction is an illegal instruction.
+int q4_1_amx_enable(int64_t from_rows) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_from_rows = permitted ? from_rows : 0;
+    return permitted;
+}
+
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+// Tiles: C [16][16] int32 in 0, 3, 4, 5 (four blocks' dot products in flight), A [16 rows of
+// x][32 int8] in 1 and 6, B [8][16 x 4 uint8] in 2 and 7. The configuration is per thread (and
+// PyTorch's oneDNN loads its own): every call loads ours.
+static void amx_configure(void) {
+    struct tile_config cfg = {0};
+    cfg.palette = 1;
+    const int c[4] = {0, 3, 4, 5};
+    for (int i = 0; i < 4; i++) cfg.rows[c[i]] = 16, cfg.colsb[c[i]] = 64;
+    cfg.rows[1] = cfg.rows[6] = 16, cfg.colsb[1] = cfg.colsb[6] = 32;
+    cfg.rows[2] = cfg.rows[7] = 8, cfg.colsb[2] = cfg.colsb[7] = 64;
+    TILE_BARRIER();
+    _tile_loadconfig(&cfg);
+}
+
+// The integer dot products of n (1..4) blocks from block b, 16 rows of x (a: their qx, row stride
+// K) by one group's 16 outputs (wb: its unpacked blocks), into c [n][16 rows][16 outputs]. The
+// blocks go to different tiles so their TDPBSUDs overlap instead of waiting on each other's stores.
+static inline __attribute__((always_inline)) void amx_dots(int64_t b, int n, const int8_t *a, int64_t K,
+                                                           const uint8_t *wb, int32_t *c) {
+    _tile_zero(0);
+    tile_load(1, a + b * QK, K);
+    tile_load(2, wb + b * 512, 64);
+    _tile_dpbsud(0, 1, 2);
+    if (n > 1) {
+        _tile_zero(3);
+        tile_load(6, a + (b + 1) * QK, K);
+        tile_load(7, wb + (b + 1) * 512, 64);
+        _tile_dpbsud(3, 6, 7);
+    }
+    if (n > 2) {
+        _tile_zero(4);
+        tile_load(1, a + (b + 2) * QK, K);
+        tile_load(2, wb + (b + 2) * 512, 64);
+        _tile_dpbsud(4, 1, 2);
+    }
+    if (n > 3) {
+        _tile_zero(5);
+        tile_load(6, a + (b + 3) * QK, K);
+        tile_load(7, wb + (b + 3) * 512, 64);
+        _tile_dpbsud(5, 6, 7);
+    }
+    _tile_stored(0, c, 64);
+    if (n > 1) _tile_stored(3, c + 256, 64);
+    if (n > 2) _tile_stored(4, c + 512, 64);
+    if (n > 3) _tile_stored(5, c + 768, 64);
+}
+
+// Output group o (16 outputs) for R (1..16, a constant at each call) rows of x from row r0: one
+// TDPBSUD per block into C, then lanes_tile's scaling of each row's 16 sums.
+static inline __attribute__((always_inline)) void amx_tile(const int R, int64_t o, int64_t nb, int64_t K,
+        int64_t N, const uint8_t *wb, const uint16_t *dw, const uint16_t *mw, const int8_t *qx, const float *dx,
+        const float *sx, void *y, int y_bf16, int64_t r0) {
+    const uint16_t *dwo = dw + o * nb * 16, *mwo = mw + o * nb * 16;
+    int32_t c[4 * 16 * 16] __attribute__((aligned(64)));
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+        const int n = nb - b0 < 4 ? (int)(nb - b0) : 4;
+        amx_dots(b0, n, qx + r0 * K, K, wb, c);
+        for (int i = 0; i < n; i++) {   // blocks in order: lanes_tile's order of additions
+            const int64_t b = b0 + i;
+            const __m512 wd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(dwo + b * 16)));
+            const __m512 wm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mwo + b * 16)));
+            for (int r = 0; r < R; r++) {
+                const __m512 scale = _mm512_mul_ps(wd, _mm512_set1_ps(dx[(r0 + r) * nb + b]));
+                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(c + 256 * i + 16 * r)), scale, acc[r]);
+                acc[r] = _mm512_fmadd_ps(wm, _mm512_set1_ps(sx[(r0 + r) * nb + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) store16(y, y_bf16, (r0 + r) * N + 16 * o, acc[r]);
+}
+
+static int amx_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
+                      const uint16_t *mw, int64_t N, void *y, int y_bf16) {
+    const int64_t nb = K / QK, groups = N / 16, padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    amx_calls++;
+    float *dx, *sx;   // x quantized as lanes_matmul's, in rows padded with zeros to whole tiles
+    int8_t *qx = quantize_rows(x, x_bf16, M, padded, K, 1, &dx, &sx);
+    if (qx == NULL) return -1;
+#pragma omp parallel
+    {
+        amx_configure();
+        uint8_t wb[nb * 512] __attribute__((aligned(64)));   // one group's blocks unpacked (K = 1536: 24 KB)
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t chunk = (groups + threads - 1) / threads;
+        const int64_t o0 = t * chunk < groups ? t * chunk : groups, o1 = o0 + chunk < groups ? o0 + chunk : groups;
+        const __m512i low = _mm512_set1_epi8(0x0F);
+        for (int64_t o = o0; o < o1; o++) {
+            const uint8_t *wo = qw + o * nb * 256;
+            for (int64_t b = 0; b < nb; b++) {
+                _mm_prefetch((const char *)(wo + PREFETCH_ROWS * nb * 16 + b * 256), _MM_HINT_T0);
+                for (int j = 0; j < 4; j++) {
+                    const __m512i v = _mm512_loadu_si512(wo + b * 256 + 64 * j);
+                    _mm512_store_si512(wb + b * 512 + 64 * j, _mm512_and_si512(v, low));
+                    _mm512_store_si512(wb + b * 512 + 256 + 64 * j, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+                }
+            }
+            for (int64_t r0 = 0; r0 < M; r0 += AMX_ROWS) {
+                switch (M - r0 < AMX_ROWS ? M - r0 : AMX_ROWS) {
+#define AMX_CASE(n) case n: amx_tile(n, o, nb, K, N, wb, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+                    AMX_CASE(1) AMX_CASE(2) AMX_CASE(3) AMX_CASE(4) AMX_CASE(5) AMX_CASE(6) AMX_CASE(7)
+                    AMX_CASE(8) AMX_CASE(9) AMX_CASE(10) AMX_CASE(11) AMX_CASE(12) AMX_CASE(13) AMX_CASE(14)
+                    AMX_CASE(15) default: amx_tile(16, o, nb, K, N, wb, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+#undef AMX_CASE
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(qx);
+    return 0;
+}
 #endif
+#endif
+#if !defined(AMX)
+static int64_t amx_calls = 0;
+int q4_1_amx_enable(int64_t from_rows) { (void)from_rows; return 0; }
+#endif
+int64_t q4_1_amx_calls(void) { return amx_calls; }
 
 // ------------------------------------------------------------------ entry points
 
@@ -385,11 +550,14 @@ int64_t q4_1_padded_blocks(int64_t K) { return padded_blocks(K); }
 int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
                 const uint16_t *mw, int64_t N, void *y, int y_bf16) {
 #if LANES16
+#if defined(AMX)
+    if (q4_1_layout(N) && amx_from_rows > 0 && M >= amx_from_rows) return amx_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
+#endif
     if (q4_1_layout(N)) return lanes_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
 #endif
     const int64_t np = padded_blocks(K);
     float *dx, *sx;
-    int8_t *work = quantize_rows(x, x_bf16, M, K, 0, &dx, &sx), *qx = work;
+    int8_t *work = quantize_rows(x, x_bf16, M, M, K, 0, &dx, &sx), *qx = work;
     if (work == NULL) return -1;
 #pragma omp parallel
     {

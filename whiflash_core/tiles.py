@@ -1,0 +1,116 @@
+"""AMX tiles for the C kernels, where the CPU has them and they are faster here (measured at load).
+
+Sapphire Rapids and later Xeons multiply 16 x 16 tiles in one instruction. Two kernels can use them:
+- the Q4_1 matmul (kernels/q4_1.c, `amx_matmul`): one TDPBSUD per block of 32 for 16 rows of x by
+  16 outputs, where the VNNI path spends 8 dpbusd per row; the same integer sums and the same
+  float32 scaling order, so the same bits as without tiles. It pays from some number of rows (the
+  tiles' fixed costs: unpacking the weights, storing each block's sums), timed here per machine;
+- attention with 8 or more queries a kv head (kernels/decode_ops.c, `attend_lanes_task_amx`):
+  scores and values as bf16 tile products on the cache itself, instead of float32 FMAs on a
+  converted copy. Products of bf16 summed in float32 in the tile unit's order and p rounded to bf16:
+  a row's result differs in the last bits from the FMA path's (as any two forward shapes may).
+
+`choose()` times both ways on random data of the model's shapes and turns the tiles on where they
+win; `WHIFLASH_TILES=0` keeps them off (A/B runs). Elsewhere (no AMX, AVX2 builds) nothing changes.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from . import decode_ops, q4_1_kernel
+
+# rows at which the Q4_1 matmul is timed with and without tiles; the smallest from which tiles win
+# at every larger count is where they start
+LINEAR_ROWS = (4, 8, 12, 16, 24, 32)
+ATTENTION_ROWS = 4        # a verify's rows (12 queries a kv head in SmolLM2: the lanes path)
+ATTENTION_CONTEXT = 1024  # cached positions (an agent conversation's length)
+
+
+@dataclass(frozen=True)
+class TileSettings:
+    linear_from_rows: int = 0   # Q4_1 matmuls of at least this many rows use tiles (0: none)
+    attention: bool = False     # attention in lanes uses tiles
+
+
+_current = TileSettings()
+
+
+def current() -> TileSettings:
+    return _current
+
+
+def apply(settings: TileSettings) -> TileSettings:
+    """Switch the kernels to `settings` (as far as this machine allows); returns what took effect."""
+    global _current
+    linear = settings.linear_from_rows if q4_1_kernel.available() and q4_1_kernel.use_amx(settings.linear_from_rows) else 0
+    attention = decode_ops.available() and decode_ops.use_amx_attention(settings.attention)
+    _current = TileSettings(linear, attention)
+    return _current
+
+
+def _best(fn, reps: int = 7) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _linear_from_rows(n: int, k: int) -> tuple[int, dict]:
+    """Where tiles win for an [n, k] Q4_1 matmul: (from rows or 0, {rows: [plain s, tiles s]})."""
+    from .quant import quantize_q4_1
+
+    if not q4_1_kernel.use_amx(1):   # no tiles in this build, or the OS refused them
+        return 0, {}
+    gen = torch.Generator().manual_seed(0)
+    qw, dw, mw = q4_1_kernel.pack(*quantize_q4_1(torch.randn(n, k, generator=gen) * 0.05))
+    timings = {}
+    for rows in LINEAR_ROWS:
+        x = torch.randn(rows, k, generator=gen).bfloat16()
+        pair = []
+        for from_rows in (0, 1):
+            q4_1_kernel.use_amx(from_rows)
+            pair.append(_best(lambda: q4_1_kernel.matmul(x, qw, dw, mw, torch.bfloat16)))
+        timings[rows] = pair
+    q4_1_kernel.use_amx(0)
+    start = 0
+    for rows in reversed(LINEAR_ROWS):
+        if timings[rows][1] > timings[rows][0]:
+            break
+        start = rows
+    return start, timings
+
+
+def _attention_wins(cfg) -> tuple[bool, list[float]]:
+    """Whether tiles attend a verify's rows faster: (wins, [plain s, tiles s])."""
+    gen = torch.Generator().manual_seed(0)
+    nh, nkv, hd, t = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, ATTENTION_ROWS
+    cap = ATTENTION_CONTEXT + t
+    qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=gen).bfloat16()
+    cos, sin = torch.ones(t, hd).bfloat16(), torch.zeros(t, hd).bfloat16()
+    k, v = torch.randn(nkv, cap, hd, generator=gen).bfloat16(), torch.randn(nkv, cap, hd, generator=gen).bfloat16()
+    pair = []
+    for on in (False, True):
+        if decode_ops.use_amx_attention(on) != on:
+            return False, pair
+        pair.append(_best(lambda: decode_ops.attend_rows(qkv, cos, sin, k, v, ATTENTION_CONTEXT, nh, nkv)))
+    decode_ops.use_amx_attention(False)
+    return pair[1] < pair[0], pair
+
+
+def choose(cfg) -> tuple[TileSettings, dict]:
+    """Time the kernels with and without tiles on this machine, for a target of config `cfg`, and
+    apply what wins; returns (the settings in effect, the timings). Well under a second."""
+    if os.environ.get("WHIFLASH_TILES", "1") == "0" or not (q4_1_kernel.available() and decode_ops.available()):
+        return apply(TileSettings()), {}
+    linear, linear_times = _linear_from_rows(2 * cfg.intermediate_size, cfg.hidden_size)   # gate_up
+    attention, attention_times = _attention_wins(cfg) if cfg.head_dim == 64 else (False, [])
+    settings = apply(TileSettings(linear, attention))
+    return settings, {"linear_gate_up_ms": {str(r): [round(s * 1e3, 4) for s in p] for r, p in linear_times.items()},
+                      "attention_ms": [round(s * 1e3, 4) for s in attention_times], **asdict(settings)}
