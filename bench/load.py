@@ -153,7 +153,7 @@ def scrape(url: str) -> dict:
 
     def total(name: str) -> float:
         return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-    return {"rss_bytes": total("process_resident_memory_bytes"),
+    return {"rss_bytes": total("process_resident_memory_bytes"), "cpu_seconds": total("process_cpu_seconds_total"),
             "prefix_cache_queries": total("whiflash:prefix_cache_queries_total"),
             "prefix_cache_hits": total("whiflash:prefix_cache_hits_total"),
             "prefix_cache_bytes": total("whiflash:prefix_cache_bytes")}
@@ -172,10 +172,11 @@ async def run(args) -> dict:
     limits = httpx.Limits(max_connections=args.streams + 4)
     async with httpx.AsyncClient(base_url=args.url, headers=headers, timeout=args.request_timeout,
                                  limits=limits) as client:
-        t0 = time.perf_counter()
+        t0, client_cpu = time.perf_counter(), time.process_time()
         deadline = t0 + args.seconds
         await asyncio.gather(*(stream_loop(client, i, deadline, args, stats) for i in range(args.streams)))
         wall = time.perf_counter() - t0
+        client_cpu = time.process_time() - client_cpu
     after = scrape(args.url)
     # and once the server has been idle a moment (it hands its recycled buffers and freed heap back
     # after app.scheduler.IDLE_TRIM_SECONDS): what stays is growth, not the last requests' buffers
@@ -202,6 +203,11 @@ async def run(args) -> dict:
         "server_rss_settled_growth": round(settled["rss_bytes"] / before["rss_bytes"] - 1, 4)
         if before["rss_bytes"] else None,
         "prefix_cache_mb_after": round(after["prefix_cache_bytes"] / 2**20, 1),
+        # where the CPU went (the server's process, all its threads; this load generator's own)
+        "server_cpu_cores": round((after["cpu_seconds"] - before["cpu_seconds"]) / wall, 3),
+        "server_cpu_ms_per_token": round(1e3 * (after["cpu_seconds"] - before["cpu_seconds"]) / stats.completion_tokens, 3)
+        if stats.completion_tokens else None,
+        "client_cpu_cores": round(client_cpu / wall, 3),
     }
     return result
 

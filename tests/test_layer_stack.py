@@ -20,6 +20,9 @@ CFG = TargetConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_l
 TAPS = (0, 2, 3)   # the embeddings, a middle layer's input and the final-norm output
 
 
+S = layer_stack.STACK_ROWS   # rows of one request per stack call
+
+
 def q4_1_target(cfg: TargetConfig = CFG, dense_from_rows: int = 10**9) -> TargetModel:
     """A bf16 target whose decoder linears are random Q4_1 blocks, with the C ops on."""
     torch.manual_seed(0)
@@ -95,11 +98,11 @@ def test_the_stack_is_used_only_where_it_applies(monkeypatch):
     calls = []
     real_run = layer_stack.LayerStack.run
     monkeypatch.setattr(layer_stack.LayerStack, "run", lambda self, *a: calls.append(a[0].shape[0]) or real_run(self, *a))
-    cache = model.new_cache(64)
-    model(torch.randint(0, 512, (20,)), cache)   # more rows than C attention takes: in chunks
+    cache = model.new_cache(S + 4 + 8 + 1)
+    model(torch.randint(0, 512, (S + 4,)), cache)   # more rows than the stack takes: in chunks
     model(torch.randint(0, 512, (8,)), cache)
     model(torch.randint(0, 512, (1,)), cache)
-    assert calls == [16, 4, 8, 1]
+    assert calls == [S, 4, 8, 1]
     # from the linears' dense_from_rows on, the module forward (the dense copies), not the stack
     calls.clear()
     dense_from_8 = q4_1_target(dense_from_rows=8)
@@ -200,7 +203,7 @@ def test_requests_of_one_cached_prefix_share_its_reads_and_keep_their_bits(monke
         assert torch.equal(gc.k, rc.k) and torch.equal(gc.v, rc.v)
 
 
-@pytest.mark.parametrize("t,logits_from", [(17, 0), (40, 39), (40, 10)])
+@pytest.mark.parametrize("t,logits_from", [(S + 1, 0), (2 * S + 8, 2 * S + 7), (2 * S + 8, 10)])
 def test_more_rows_than_the_stack_takes_run_through_it_in_chunks(monkeypatch, t, logits_from):
     """Below the linears' dense copies, a forward of more rows than the stack takes runs as stack
     forwards of its most rows each: the bits of those forwards one after another, logits from

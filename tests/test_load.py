@@ -22,3 +22,6 @@ def test_concurrent_agent_conversations_complete_and_reuse_prefixes(live_server)
     # turn 2 of each conversation resends turn 1: its prompt comes (mostly) from the prefix cache
     assert res["cached_tokens"] > 0 and res["cache_hit_rate_metrics"] > 0, res
     assert res["server_rss_after_mb"] > 0 and res["server_rss_settled_mb"] > 0
+    # the server worked (its process CPU from /metrics) and the load generator took some CPU too
+    assert 0 < res["server_cpu_cores"] <= os.cpu_count() + 0.5 and res["server_cpu_ms_per_token"] > 0, res
+    assert res["client_cpu_cores"] > 0, res

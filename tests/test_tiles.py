@@ -32,12 +32,13 @@ def test_off_switch_keeps_every_kernel_off(monkeypatch):
 @pytest.mark.skipif(not HAS_TILES, reason="this CPU (or this build: AVX2 class) has no AMX tiles")
 def test_choose_applies_what_its_timings_say():
     """The settings follow from the timings: tiles from the smallest timed row count where they win
-    at that and every larger count (else 0), attention on iff the tile path was faster."""
+    by WIN_MARGIN at that and every larger count (else 0), attention on iff the tile path was faster."""
     settings, timings = tiles.choose(SMOLLM2)
     assert settings == tiles.current()
     linear = {int(r): pair for r, pair in timings["linear_gate_up_ms"].items()}
     assert sorted(linear) == list(tiles.LINEAR_ROWS)
-    winning = [r for r in tiles.LINEAR_ROWS if all(linear[s][1] <= linear[s][0] for s in tiles.LINEAR_ROWS if s >= r)]
+    winning = [r for r in tiles.LINEAR_ROWS
+               if all(linear[s][1] <= tiles.WIN_MARGIN * linear[s][0] for s in tiles.LINEAR_ROWS if s >= r)]
     assert settings.linear_from_rows == (min(winning) if winning else 0)
     plain, tiled = timings["attention_ms"]
     assert settings.attention == (tiled < plain)
