@@ -398,12 +398,16 @@ class Generation:
         if hit is None:
             return 0
         m, entry = hit.length, hit.entry
-        self.cache.k[:, :, :m] = entry.k[:, :, :m]
-        self.cache.v[:, :, :m] = entry.v[:, :, :m]
+        # tens of MB for an agent conversation (SmolLM2, 1k positions: 11.5 MB of K, as much of V):
+        # copied on every core, as a forward of many rows runs (measured, 1 -> 2 threads: 0.80 ->
+        # 0.41 ms per 11.5 MB in cache)
+        with self.engine.threads_for(m):
+            self.cache.k[:, :, :m] = entry.k[:, :, :m]
+            self.cache.v[:, :, :m] = entry.v[:, :, :m]
+            if self.tap_layers:
+                self.taps[:m] = entry.taps[:m]
         self.cache.length = m
         self.cache.lineage, self.cache.lineage_len = entry.lineage, min(entry.lineage_len, m)
-        if self.tap_layers:
-            self.taps[:m] = entry.taps[:m]
         # the drafters' caches over the prefix, as far as the prefix determines them
         for name, (k, v) in entry.drafters.items():
             state = self.states.get(name)
