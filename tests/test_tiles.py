@@ -30,10 +30,23 @@ def test_off_switch_keeps_every_kernel_off(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TILES, reason="this CPU (or this build: AVX2 class) has no AMX tiles")
-def test_choose_applies_what_its_timings_say():
+def test_choose_applies_what_its_timings_say(monkeypatch, tmp_path):
     """The settings follow from the timings: tiles from the smallest timed row count where they win
-    by WIN_MARGIN at that and every larger count (else 0), attention on iff the tile path was faster."""
+    by WIN_MARGIN at that and every larger count (else 0), attention on iff the tile path was
+    faster; the next load reads them from the cache (no timing), use_cache=False times again."""
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     settings, timings = tiles.choose(SMOLLM2)
+    assert len(list(tmp_path.glob("tiles-*.json"))) == 1
+    monkeypatch.setattr(tiles, "_linear_from_rows", lambda n, k: pytest.fail("timed again despite the cache"))
+    again, cached = tiles.choose(SMOLLM2)
+    assert again == settings and cached == timings
+    monkeypatch.undo()
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    timed = []
+    real = tiles._linear_from_rows
+    monkeypatch.setattr(tiles, "_linear_from_rows", lambda n, k: timed.append((n, k)) or real(n, k))
+    settings, timings = tiles.choose(SMOLLM2, use_cache=False)
+    assert timed == [(2 * SMOLLM2.intermediate_size, SMOLLM2.hidden_size)]
     assert settings == tiles.current()
     linear = {int(r): pair for r, pair in timings["linear_gate_up_ms"].items()}
     assert sorted(linear) == list(tiles.LINEAR_ROWS)

@@ -48,9 +48,9 @@ def run(args: argparse.Namespace) -> int:
     head = f", LM head {f['head']}" if f["weights"] != "dense" else ""
     print(f"choice (--weights auto): decode/verify {f['dtype']} activations with {f['weights']} weights{head}; "
           f"prefill {prefill}")
-    if f["weights"] == "q4_1":   # timed at every load, not cached (well under a second)
+    if f["weights"] == "q4_1":
         from . import tiles
-        settings, timings = tiles.choose(cfg)
+        settings, timings = tiles.choose(cfg, use_cache=not args.remeasure)
         if not timings:
             print("AMX tiles: not on this machine (or WHIFLASH_TILES=0)")
         else:

@@ -10,11 +10,13 @@ Sapphire Rapids and later Xeons multiply 16 x 16 tiles in one instruction. Two k
   converted copy. Products of bf16 summed in float32 in the tile unit's order and p rounded to bf16:
   a row's result differs in the last bits from the FMA path's (as any two forward shapes may).
 
-`choose()` times both ways on random data of the model's shapes and turns the tiles on where they
-win; `WHIFLASH_TILES=0` keeps them off (A/B runs). Elsewhere (no AMX, AVX2 builds) nothing changes.
+`choose()` times both ways on random data of the model's shapes, turns the tiles on where they win
+and caches the choice per machine; `WHIFLASH_TILES=0` keeps them off (A/B runs). Elsewhere (no AMX,
+AVX2 builds) nothing changes.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -32,6 +34,7 @@ LINEAR_ROWS = (4, 8, 12, 16, 24, 32)
 WIN_MARGIN = 0.9
 ATTENTION_ROWS = 4        # a verify's rows (12 queries a kv head in SmolLM2: the lanes path)
 ATTENTION_CONTEXT = 1024  # cached positions (an agent conversation's length)
+CACHE_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -56,14 +59,16 @@ def apply(settings: TileSettings) -> TileSettings:
     return _current
 
 
-def _best(fn, reps: int = 7) -> float:
-    fn()
-    times = []
+def _best_pair(plain, tiled, reps: int = 9) -> list[float]:
+    """[best seconds of plain(), of tiled()], run alternately (drift hits both alike)."""
+    plain(), tiled()
+    best = [float("inf"), float("inf")]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        for i, fn in enumerate((plain, tiled)):
+            t0 = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return best
 
 
 def _linear_from_rows(n: int, k: int) -> tuple[int, dict]:
@@ -78,11 +83,10 @@ def _linear_from_rows(n: int, k: int) -> tuple[int, dict]:
     timings = {}
     for rows in LINEAR_ROWS:
         x = torch.randn(rows, k, generator=gen).bfloat16()
-        pair = []
-        for from_rows in (0, 1):
-            q4_1_kernel.use_amx(from_rows)
-            pair.append(_best(lambda: q4_1_kernel.matmul(x, qw, dw, mw, torch.bfloat16)))
-        timings[rows] = pair
+
+        def way(from_rows: int):
+            return lambda: (q4_1_kernel.use_amx(from_rows), q4_1_kernel.matmul(x, qw, dw, mw, torch.bfloat16))
+        timings[rows] = _best_pair(way(0), way(1))
     q4_1_kernel.use_amx(0)
     start = 0
     for rows in reversed(LINEAR_ROWS):
@@ -100,22 +104,39 @@ def _attention_wins(cfg) -> tuple[bool, list[float]]:
     qkv = torch.randn(t, (nh + 2 * nkv) * hd, generator=gen).bfloat16()
     cos, sin = torch.ones(t, hd).bfloat16(), torch.zeros(t, hd).bfloat16()
     k, v = torch.randn(nkv, cap, hd, generator=gen).bfloat16(), torch.randn(nkv, cap, hd, generator=gen).bfloat16()
-    pair = []
-    for on in (False, True):
-        if decode_ops.use_amx_attention(on) != on:
-            return False, pair
-        pair.append(_best(lambda: decode_ops.attend_rows(qkv, cos, sin, k, v, ATTENTION_CONTEXT, nh, nkv)))
+    if not decode_ops.use_amx_attention(True):
+        return False, []
+
+    def way(on: bool):
+        return lambda: (decode_ops.use_amx_attention(on),
+                        decode_ops.attend_rows(qkv, cos, sin, k, v, ATTENTION_CONTEXT, nh, nkv))
+    pair = _best_pair(way(False), way(True))
     decode_ops.use_amx_attention(False)
     return pair[1] < pair[0], pair
 
 
-def choose(cfg) -> tuple[TileSettings, dict]:
+def choose(cfg, use_cache: bool = True) -> tuple[TileSettings, dict]:
     """Time the kernels with and without tiles on this machine, for a target of config `cfg`, and
-    apply what wins; returns (the settings in effect, the timings). Well under a second."""
+    apply what wins; returns (the settings in effect, the timings). Well under a second, and cached
+    per machine, model shape and kernel sources as the format timings are (machine.py): a start
+    that timed the threshold a row count higher than the last one would otherwise also time the
+    router's verify tables again (they are cached per setting)."""
     if os.environ.get("WHIFLASH_TILES", "1") == "0" or not (q4_1_kernel.available() and decode_ops.available()):
         return apply(TileSettings()), {}
+    from . import machine   # imported here: machine -> tiles would be a cycle through native
+
+    key = {"v": CACHE_VERSION, "machine": machine.cpu_info(),
+           "shape": [cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim],
+           "sources": [hashlib.sha256(p.read_bytes()).hexdigest()[:16] for p in (q4_1_kernel.SOURCE, decode_ops.SOURCE)]}
+    path = machine._cache_path(key, "tiles")
+    saved = machine._cached(path, use_cache)
+    if saved is not None:
+        settings = apply(TileSettings(saved["linear_from_rows"], saved["attention"]))
+        return settings, {**saved, **asdict(settings)}
     linear, linear_times = _linear_from_rows(2 * cfg.intermediate_size, cfg.hidden_size)   # gate_up
     attention, attention_times = _attention_wins(cfg) if cfg.head_dim == 64 else (False, [])
     settings = apply(TileSettings(linear, attention))
-    return settings, {"linear_gate_up_ms": {str(r): [round(s * 1e3, 4) for s in p] for r, p in linear_times.items()},
-                      "attention_ms": [round(s * 1e3, 4) for s in attention_times], **asdict(settings)}
+    timings = {"linear_gate_up_ms": {str(r): [round(s * 1e3, 4) for s in p] for r, p in linear_times.items()},
+               "attention_ms": [round(s * 1e3, 4) for s in attention_times], **asdict(settings)}
+    machine._write_json(path, timings)
+    return settings, timings
