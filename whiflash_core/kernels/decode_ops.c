@@ -657,22 +657,12 @@ static inline __attribute__((always_inline)) void attend_few_task(const int64_t 
 }
 
 // attend_rows_bf16's attention (after rotary and the cache append) in lanes; q bf16 [t, nh, hd].
-static int attend_lanes(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, int64_t cap, int64_t start,
-                        int64_t t, int64_t nh, int64_t nkv, int64_t hd, uint16_t *out) {
-    const int64_t group = nh / nkv, nq = t * group, blocks = (nq + LANES - 1) / LANES;
-    const int64_t end = start + t, chunks = (end + CHUNK - 1) / CHUNK, part = (hd + 2) * LANES;
+// attend_lanes' tasks by attend_lanes_task: the queries laid out in float32 lanes first.
+static int lanes_tasks_fma(const uint16_t *q, const int32_t *rows, const uint16_t *kc, const uint16_t *vc,
+        float *parts, int64_t nkv, int64_t chunks, int64_t blocks, int64_t group, int64_t nh, int64_t nq,
+        int64_t start, int64_t end, int64_t cap, int64_t hd, float scale) {
     float *qt = aligned_alloc(64, nkv * blocks * hd * LANES * sizeof(float));   // a multiple of 64 bytes
-    int32_t *rows = malloc(blocks * LANES * sizeof(int32_t));
-    float *parts = malloc(nkv * chunks * blocks * part * sizeof(float));
-    float *w = malloc(chunks * LANES * sizeof(float));
-    if (qt == NULL || rows == NULL || parts == NULL || w == NULL) {
-        free(qt);
-        free(rows);
-        free(parts);
-        free(w);
-        return -1;
-    }
-    for (int64_t qi = 0; qi < blocks * LANES; qi++) rows[qi] = qi < nq ? (int32_t)(qi / group) : INT32_MAX;
+    if (qt == NULL) return -1;
     for (int64_t g = 0; g < nkv; g++)   // qt[g][block][d][lane]: query (row i, head h) in float32
         for (int64_t qi = 0; qi < blocks * LANES; qi++) {
             float *dst = qt + ((g * blocks + qi / LANES) * hd) * LANES + qi % LANES;
@@ -684,30 +674,67 @@ static int attend_lanes(const uint16_t *q, const uint16_t *kc, const uint16_t *v
                 dst[d * LANES] = f;
             }
         }
-    const float scale = 1.0f / sqrtf((float)hd);
-#if defined(AMX_ATTENTION)
-    uint32_t *qb = NULL;   // the queries as attend_lanes_task_amx's tile B: [g][block][half][pair][lane]
-    if (amx_attention && hd == 64 && (qb = aligned_alloc(64, nkv * blocks * 2 * 256 * sizeof(uint32_t))) != NULL) {
-        for (int64_t g = 0; g < nkv; g++)
-            for (int64_t qi = 0; qi < blocks * LANES; qi++) {
-                const uint32_t *src = (const uint32_t *)(q + ((qi / group) * nh + g * group + qi % group) * hd);
-                uint32_t *dst = qb + (g * blocks + qi / LANES) * 512 + qi % LANES;
-                for (int64_t kk = 0; kk < 32; kk++) dst[(kk / 16) * 256 + (kk % 16) * 16] = qi < nq ? src[kk] : 0;
-            }
-#pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
-        for (int64_t task = 0; task < nkv * chunks; task++) {
-            const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
-            const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
-            attend_lanes_task_amx(qb, rows, kc, vc, parts, g, c, j0, nk, chunks, blocks, start, cap, scale);
-        }
-        free(qb);
-    } else
-#endif
 #pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
     for (int64_t task = 0; task < nkv * chunks; task++) {
         const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
         const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
         attend_lanes_task(qt, rows, kc, vc, parts, g, c, j0, nk, chunks, blocks, start, cap, hd, scale);
+    }
+    free(qt);
+    return 0;
+}
+
+#if defined(AMX_ATTENTION)
+// attend_lanes' tasks by attend_lanes_task_amx (hd = 64): the queries laid out as its tile B first.
+static int lanes_tasks_amx(const uint16_t *q, const int32_t *rows, const uint16_t *kc, const uint16_t *vc,
+        float *parts, int64_t nkv, int64_t chunks, int64_t blocks, int64_t group, int64_t nh, int64_t nq,
+        int64_t start, int64_t end, int64_t cap, float scale) {
+    uint32_t *qb = aligned_alloc(64, nkv * blocks * 2 * 256 * sizeof(uint32_t));   // [g][block][half][pair][lane]
+    if (qb == NULL) return -1;
+    for (int64_t g = 0; g < nkv; g++)
+        for (int64_t qi = 0; qi < blocks * LANES; qi++) {
+            const uint32_t *src = (const uint32_t *)(q + ((qi / group) * nh + g * group + qi % group) * 64);
+            uint32_t *dst = qb + (g * blocks + qi / LANES) * 512 + qi % LANES;
+            for (int64_t kk = 0; kk < 32; kk++) dst[(kk / 16) * 256 + (kk % 16) * 16] = qi < nq ? src[kk] : 0;
+        }
+#pragma omp parallel for schedule(dynamic, 1) if (nkv * chunks > 1)
+    for (int64_t task = 0; task < nkv * chunks; task++) {
+        const int64_t g = task / chunks, c = task % chunks, j0 = c * CHUNK;
+        const int64_t nk = (j0 + CHUNK < end ? j0 + CHUNK : end) - j0;
+        attend_lanes_task_amx(qb, rows, kc, vc, parts, g, c, j0, nk, chunks, blocks, start, cap, scale);
+    }
+    free(qb);
+    return 0;
+}
+#endif
+
+static int attend_lanes(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, int64_t cap, int64_t start,
+                        int64_t t, int64_t nh, int64_t nkv, int64_t hd, uint16_t *out) {
+    const int64_t group = nh / nkv, nq = t * group, blocks = (nq + LANES - 1) / LANES;
+    const int64_t end = start + t, chunks = (end + CHUNK - 1) / CHUNK, part = (hd + 2) * LANES;
+    int32_t *rows = malloc(blocks * LANES * sizeof(int32_t));
+    float *parts = malloc(nkv * chunks * blocks * part * sizeof(float));
+    float *w = malloc(chunks * LANES * sizeof(float));
+    if (rows == NULL || parts == NULL || w == NULL) {
+        free(rows);
+        free(parts);
+        free(w);
+        return -1;
+    }
+    for (int64_t qi = 0; qi < blocks * LANES; qi++) rows[qi] = qi < nq ? (int32_t)(qi / group) : INT32_MAX;
+    const float scale = 1.0f / sqrtf((float)hd);
+    int status;
+#if defined(AMX_ATTENTION)
+    if (amx_attention && hd == 64)
+        status = lanes_tasks_amx(q, rows, kc, vc, parts, nkv, chunks, blocks, group, nh, nq, start, end, cap, scale);
+    else
+#endif
+        status = lanes_tasks_fma(q, rows, kc, vc, parts, nkv, chunks, blocks, group, nh, nq, start, end, cap, hd, scale);
+    if (status != 0) {
+        free(rows);
+        free(parts);
+        free(w);
+        return -1;
     }
     for (int64_t g = 0; g < nkv; g++)   // merge each query's partials (as attend_rows_bf16 does)
         for (int64_t b = 0; b < blocks; b++) {
@@ -735,7 +762,6 @@ static int attend_lanes(const uint16_t *q, const uint16_t *kc, const uint16_t *v
                 for (int64_t d = 0; d < hd; d += 8) store8_bf16(out + (i * nh + h) * hd + d, _mm256_loadu_ps(row + d));
             }
         }
-    free(qt);
     free(rows);
     free(parts);
     free(w);
