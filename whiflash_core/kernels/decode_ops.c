@@ -248,6 +248,33 @@ static inline __m512 exp16(__m512 x) {   // exp8 in 16 lanes
     return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
 }
 
+// The softmax of one task's scores in lanes, sc [key][lane] in place: scaled, causally masked (key
+// j0 + j is in lane's row r's past iff j0 + j - start <= r), exponentiated from the lane's max.
+// Returns the lanes' max m and sum l. A lane with no key in this chunk keeps m = -inf (its weight
+// at the merge is 0), its exps taken from 0.
+static inline void lanes_softmax(float *sc, int64_t nk, __m512i row, int64_t j0, int64_t start, float scale,
+                                 __m512 *m_out, __m512 *l_out) {
+    const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+    __m512 m = ninf;
+    for (int64_t j = 0; j < nk; j++) {
+        __m512 s = _mm512_mul_ps(_mm512_load_ps(sc + j * LANES), sv);
+        if (j0 + j > start)
+            s = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(row, _mm512_set1_epi32((int)(j0 + j - start)), _MM_CMPINT_NLT),
+                                     ninf, s);
+        _mm512_store_ps(sc + j * LANES, s);
+        m = _mm512_max_ps(m, s);
+    }
+    const __m512 m0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), m, _mm512_setzero_ps());
+    __m512 l = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; j++) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sc + j * LANES), m0));
+        _mm512_store_ps(sc + j * LANES, e);
+        l = _mm512_add_ps(l, e);
+    }
+    *m_out = m;
+    *l_out = l;
+}
+
 // One task: kv head g, keys [j0, j0 + nk) of the cache, every block of 16 queries. qt: the
 // queries in float32, [nkv][blocks][hd][16]; rows: each lane's row (padding lanes: a row that
 // sees every key); parts: [nkv][chunks][blocks][(hd + 2) * 16].
@@ -284,25 +311,8 @@ static void attend_lanes_task(const float *qt, const int32_t *rows, const uint16
             for (int64_t d = 0; d < hd; d++) a0 = _mm512_fmadd_ps(_mm512_load_ps(q + d * LANES), _mm512_set1_ps(kf[j * hd + d]), a0);
             _mm512_store_ps(sc + j * LANES, a0);
         }
-        // scale, causal mask (key j0 + j is in row r's past iff j0 + j - start <= r), max
-        const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-        __m512 m = ninf;
-        for (j = 0; j < nk; j++) {
-            __m512 s = _mm512_mul_ps(_mm512_load_ps(sc + j * LANES), sv);
-            if (j0 + j > start)
-                s = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(row, _mm512_set1_epi32((int)(j0 + j - start)), _MM_CMPINT_NLT),
-                                         ninf, s);
-            _mm512_store_ps(sc + j * LANES, s);
-            m = _mm512_max_ps(m, s);
-        }
-        // a lane with no key in this chunk keeps m = -inf (its weight at the merge is 0): exps from 0
-        const __m512 m0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), m, _mm512_setzero_ps());
-        __m512 l = _mm512_setzero_ps();
-        for (j = 0; j < nk; j++) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sc + j * LANES), m0));
-            _mm512_store_ps(sc + j * LANES, e);
-            l = _mm512_add_ps(l, e);
-        }
+        __m512 m, l;
+        lanes_softmax(sc, nk, row, j0, start, scale, &m, &l);
         float *pt = parts + ((g * chunks + c) * blocks + b) * part;
         for (int64_t d0 = 0; d0 < hd; d0 += 16) {   // acc[d][lane] = sum_j p[j][lane] v[j][d]
             __m512 a[16];
@@ -446,26 +456,9 @@ static void attend_lanes_task_amx(const uint32_t *qb, const int32_t *rows, const
             _tile_dpbf16ps(4, 5, 7);
             _tile_stored(4, sc + 16 * kb * LANES, 64);
         }
-        // scale, causal mask, max, exp: attend_lanes_task's
-        const __m512 sv = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-        __m512 m = ninf;
-        int64_t j;
-        for (j = 0; j < nk; j++) {
-            __m512 s = _mm512_mul_ps(_mm512_load_ps(sc + j * LANES), sv);
-            if (j0 + j > start)
-                s = _mm512_mask_blend_ps(_mm512_cmp_epi32_mask(row, _mm512_set1_epi32((int)(j0 + j - start)), _MM_CMPINT_NLT),
-                                         ninf, s);
-            _mm512_store_ps(sc + j * LANES, s);
-            m = _mm512_max_ps(m, s);
-        }
-        const __m512 m0 = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(m, ninf, _CMP_EQ_OQ), m, _mm512_setzero_ps());
-        __m512 l = _mm512_setzero_ps();
-        for (j = 0; j < nk; j++) {
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_load_ps(sc + j * LANES), m0));
-            _mm512_store_ps(sc + j * LANES, e);
-            l = _mm512_add_ps(l, e);
-        }
-        for (; j < 32 * halves; j++) _mm512_store_ps(sc + j * LANES, _mm512_setzero_ps());
+        __m512 m, l;
+        lanes_softmax(sc, nk, row, j0, start, scale, &m, &l);
+        for (int64_t j = nk; j < 32 * halves; j++) _mm512_store_ps(sc + j * LANES, _mm512_setzero_ps());
         // O^T += V^T . P^T, half by half of the chunk's keys
         _tile_zero(0);
         _tile_zero(1);
