@@ -3,16 +3,19 @@
     .venv/bin/python bench/tiles_probe.py --threads 2 --out bench/results/tiles_probe_xeon.json
 
 Times the embedded target's forward (logits for every row, as a verify or a shared step runs it)
-of 1..32 new rows after 256 and 1,024 cached positions, with the tiles off and with the settings
-`tiles.choose` picks on this machine, interleaved rep by rep in one process (the median of each).
+of 1..64 new rows after 256 and 1,024 cached positions, with the tiles off, with the settings
+`tiles.choose` picks on this machine, and with those but the bf16 matmul tiles off ("integer"),
+interleaved rep by rep in one process (the median of each).
 Then the agreement: the same real text's forwards in both settings, per row whether the argmax
 is the same and how far the logits moved. Tiles change the attention's rounding (bf16 products
-summed in the tile unit's order), so a near tie can go the other way: reported, not asserted.
+summed in the tile unit's order) and, from bf16_from_rows, the linears' (bf16 weights and x instead
+of int8 x), so a near tie can go the other way: reported, not asserted.
 On a CPU without AMX both columns are the same path (and the file says tiles: off).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -35,7 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -44,6 +47,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     target, chosen = engine.target, tiles.current()
     off = tiles.TileSettings()
+    integer = dataclasses.replace(chosen, bf16_from_rows=0)
+    ways = (("off", off), ("integer", integer), ("tiles", chosen))
     print("tiles chosen:", chosen, flush=True)
     gen = torch.Generator().manual_seed(0)
 
@@ -53,9 +58,9 @@ def main() -> None:
         target(torch.randint(100, 20000, (context,), generator=gen), cache)
         for rows in args.rows:
             x = torch.randint(100, 20000, (rows,), generator=gen)
-            times = {"off": [], "tiles": []}
+            times = {name: [] for name, _ in ways}
             for _ in range(args.reps):
-                for name, settings in (("off", off), ("tiles", chosen)):
+                for name, settings in ways:
                     tiles.apply(settings)
                     t0 = time.perf_counter()
                     target(x, cache)
@@ -64,6 +69,7 @@ def main() -> None:
             row = {"context": context, "rows": rows,
                    **{f"{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}}
             row["speedup"] = round(row["off_ms"] / row["tiles_ms"], 3)
+            row["speedup_over_integer"] = round(row["integer_ms"] / row["tiles_ms"], 3)
             timings.append(row)
             print(json.dumps(row), flush=True)
 

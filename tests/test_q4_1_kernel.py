@@ -181,3 +181,77 @@ def test_tiles_start_at_their_row_count(tiles_off_after):
     assert not tiled(15) and tiled(16) and tiled(40)
     assert not q4_1_kernel.use_amx(0)
     assert not tiled(16) and not tiled(40)
+
+
+# bf16 tiles on dequantized weights (kernels/q4_1.c bf16_matmul): only where this CPU has AMX-BF16
+HAS_BF16_TILES = BUILDABLE and q4_1_kernel.use_bf16_tiles(1)
+q4_1_kernel.use_bf16_tiles(0)
+needs_bf16_tiles = pytest.mark.skipif(not HAS_BF16_TILES, reason="this CPU (or this build: AVX2 class) has no "
+                                      "AMX-BF16 tiles; the integer paths the other tests check are then the only ones")
+
+
+def _dequantized_bf16(q, d, m) -> torch.Tensor:
+    """The weights as bf16_matmul dequantizes them: d * q + m rounded once to float32 (an FMA; exact
+    in float64 first), then to bf16."""
+    blocks = lambda a: a.double().repeat_interleave(32, dim=1)   # noqa: E731
+    return (q.double() * blocks(d) + blocks(m)).float().to(torch.bfloat16)
+
+
+@needs_bf16_tiles
+@pytest.mark.parametrize("n,k", [(16, 32), (960, 576), (576, 1536), (48, 96)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_tiles_multiply_the_dequantized_weights(n, k, x_dtype, tiles_off_after):
+    """x (rounded to bf16) times the weights dequantized to bf16, summed in float32: within float32
+    summation error of the float64 product of those same bf16 values, for whole tiles of 16 rows,
+    partial ones, one row, several passes of 32 rows, odd and even numbers of output groups; and
+    closer to the exact Q4_1 product than the integer path (which rounds x to int8 per block)."""
+    q, d, m = (torch.as_tensor(a) for a in _blocks(n, k, seed=n + k))
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+    w = _dequantized_bf16(q, d, m).double()
+    exact_w = q.double() * d.double().repeat_interleave(32, 1) + m.double().repeat_interleave(32, 1)
+    for rows in (1, 5, 16, 17, 40, 70):
+        x = (torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)) * 3).to(x_dtype)
+        assert q4_1_kernel.use_bf16_tiles(1)
+        before = q4_1_kernel.bf16_calls()
+        tiled = q4_1_kernel.matmul(x, qw, dw, mw).double()
+        assert q4_1_kernel.bf16_calls() == before + 1
+        expected = x.to(torch.bfloat16).double() @ w.T
+        scale = x.to(torch.bfloat16).double().abs() @ w.abs().T   # the sums' magnitudes
+        assert ((tiled - expected).abs() <= 1e-5 * scale + 1e-30).all(), (n, k, rows)
+        q4_1_kernel.use_bf16_tiles(0)
+        integer = q4_1_kernel.matmul(x, qw, dw, mw).double()
+        exact = x.double() @ exact_w.T
+        assert (tiled - exact).norm() < (integer - exact).norm(), (n, k, rows)
+        as_bf16 = q4_1_kernel.use_bf16_tiles(1) and q4_1_kernel.matmul(x, qw, dw, mw, torch.bfloat16)
+        assert torch.equal(as_bf16, tiled.float().to(torch.bfloat16))   # stored bf16: the float32 result rounded
+
+
+@needs_bf16_tiles
+def test_bf16_tiles_a_row_does_not_depend_on_the_others(tiles_off_after):
+    """Each row's result is the same whether it is multiplied alone (padded to a tile) or among 40."""
+    q, d, m = _blocks(960, 576, seed=3)
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+    x = torch.randn(40, 576, generator=torch.Generator().manual_seed(1)).bfloat16()
+    assert q4_1_kernel.use_bf16_tiles(1)
+    together = q4_1_kernel.matmul(x, qw, dw, mw)
+    for r in (0, 15, 16, 39):
+        assert torch.equal(q4_1_kernel.matmul(x[r:r + 1], qw, dw, mw)[0], together[r]), r
+
+
+@needs_bf16_tiles
+def test_bf16_tiles_start_at_their_row_count_before_the_integer_tiles(tiles_off_after):
+    """use_bf16_tiles(from_rows): calls of at least that many rows take bf16 tiles, whatever the
+    integer tiles' threshold; fewer rows go on to the integer tiles or the VNNI path."""
+    q, d, m = _blocks(64, 576)
+    qw, dw, mw = q4_1_kernel.pack(q, d, m)
+
+    def path(rows: int) -> str:
+        bf16, integer = q4_1_kernel.bf16_calls(), q4_1_kernel.amx_calls()
+        q4_1_kernel.matmul(torch.randn(rows, 576), qw, dw, mw)
+        return "bf16" if q4_1_kernel.bf16_calls() > bf16 else "integer" if q4_1_kernel.amx_calls() > integer else "vnni"
+
+    assert q4_1_kernel.use_bf16_tiles(32) and q4_1_kernel.use_amx(16)
+    assert [path(r) for r in (8, 16, 31, 32, 64)] == ["vnni", "integer", "integer", "bf16", "bf16"]
+    assert not q4_1_kernel.use_bf16_tiles(0)
+    assert path(64) == "integer"
+    q4_1_kernel.use_amx(0)

@@ -31,8 +31,9 @@ def test_off_switch_keeps_every_kernel_off(monkeypatch):
 
 @pytest.mark.skipif(not HAS_TILES, reason="this CPU (or this build: AVX2 class) has no AMX tiles")
 def test_choose_applies_what_its_timings_say(monkeypatch, tmp_path):
-    """The settings follow from the timings: tiles from the smallest timed row count where they win
-    by WIN_MARGIN at that and every larger count (else 0), attention on iff the tile path was
+    """The settings follow from the timings: bf16 tiles from the smallest timed row count where they
+    beat both other ways by WIN_MARGIN at that and every larger count (else 0), integer tiles the
+    same against the VNNI path among the counts below that, attention on iff the tile path was
     faster; the next load reads them from the cache (no timing), use_cache=False times again."""
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     settings, timings = tiles.choose(SMOLLM2)
@@ -48,23 +49,28 @@ def test_choose_applies_what_its_timings_say(monkeypatch, tmp_path):
     settings, timings = tiles.choose(SMOLLM2, use_cache=False)
     assert timed == [(2 * SMOLLM2.intermediate_size, SMOLLM2.hidden_size)]
     assert settings == tiles.current()
-    linear = {int(r): pair for r, pair in timings["linear_gate_up_ms"].items()}
+    linear = {int(r): ways for r, ways in timings["linear_gate_up_ms"].items()}
     assert sorted(linear) == list(tiles.LINEAR_ROWS)
-    winning = [r for r in tiles.LINEAR_ROWS
-               if all(linear[s][1] <= tiles.WIN_MARGIN * linear[s][0] for s in tiles.LINEAR_ROWS if s >= r)]
-    assert settings.linear_from_rows == (min(winning) if winning else 0)
+
+    def start(way: int, rows: list[int]) -> int:
+        winning = [r for r in rows
+                   if all(linear[s][way] <= tiles.WIN_MARGIN * min(linear[s][:way]) for s in rows if s >= r)]
+        return min(winning) if winning else 0
+    bf16 = start(2, list(tiles.LINEAR_ROWS)) if len(linear[4]) == 3 else 0
+    assert settings.bf16_from_rows == bf16
+    assert settings.linear_from_rows == start(1, [r for r in tiles.LINEAR_ROWS if not bf16 or r < bf16])
     plain, tiled = timings["attention_ms"]
     assert settings.attention == (tiled < plain)
 
 
 def test_without_tiles_nothing_changes():
     """apply() reports what took effect: where the build has no tiles, asking for them leaves them off."""
-    got = tiles.apply(tiles.TileSettings(linear_from_rows=8, attention=True))
+    got = tiles.apply(tiles.TileSettings(linear_from_rows=8, attention=True, bf16_from_rows=48))
     assert got == tiles.current()
     if not HAS_TILES:
         assert got == tiles.TileSettings()
     else:
-        assert got == tiles.TileSettings(8, True)
+        assert got == tiles.TileSettings(8, True, 48 if q4_1_kernel.use_bf16_tiles(48) else 0)
 
 
 def test_the_verify_tables_are_cached_per_tile_setting():
@@ -85,5 +91,8 @@ def test_the_verify_tables_are_cached_per_tile_setting():
     off = machine._target_key(Target(), ())
     tiles._current = tiles.TileSettings(12, True)   # as if applied: the key reads the settings
     on = machine._target_key(Target(), ())
-    assert off["tiles"] == {"linear_from_rows": 0, "attention": False}
-    assert on["tiles"] == {"linear_from_rows": 12, "attention": True} and off != on
+    tiles._current = tiles.TileSettings(12, True, 48)
+    bf16 = machine._target_key(Target(), ())
+    assert off["tiles"] == {"linear_from_rows": 0, "attention": False, "bf16_from_rows": 0}
+    assert on["tiles"] == {"linear_from_rows": 12, "attention": True, "bf16_from_rows": 0} and off != on
+    assert bf16["tiles"]["bf16_from_rows"] == 48 and bf16 != on

@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
         if not timings:
             print("AMX tiles: not on this machine (or WHIFLASH_TILES=0)")
         else:
-            linear = " ".join(f"{r}:{p[0]:.3f}/{p[1]:.3f}" for r, p in timings["linear_gate_up_ms"].items())
-            print(f"AMX tiles: Q4_1 matmuls from {settings.linear_from_rows or 'no'} rows (gate_up ms plain/tiles by rows: "
+            linear = " ".join(f"{r}:{'/'.join(f'{t:.3f}' for t in p)}" for r, p in timings["linear_gate_up_ms"].items())
+            print(f"AMX tiles: Q4_1 matmuls with integer tiles from {settings.linear_from_rows or 'no'} rows, with bf16 "
+                  f"tiles from {settings.bf16_from_rows or 'no'} rows (gate_up ms plain/integer/bf16 by rows: "
                   f"{linear}); attention {'on' if settings.attention else 'off'} "
                   f"(ms plain/tiles: {'/'.join(f'{t:.3f}' for t in timings['attention_ms']) or '-'})")
     return 0

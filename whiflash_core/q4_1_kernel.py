@@ -38,6 +38,10 @@ def _library() -> ctypes.CDLL | None:
     lib.q4_1_amx_enable.restype = ctypes.c_int
     lib.q4_1_amx_calls.argtypes = []
     lib.q4_1_amx_calls.restype = i64
+    lib.q4_1_bf16_enable.argtypes = [i64]
+    lib.q4_1_bf16_enable.restype = ctypes.c_int
+    lib.q4_1_bf16_calls.argtypes = []
+    lib.q4_1_bf16_calls.restype = i64
     return lib
 
 
@@ -53,6 +57,22 @@ def amx_calls() -> int:
     """How many matmuls took the tile path in this process (they return what the VNNI path would)."""
     lib = _library()
     return int(lib.q4_1_amx_calls()) if lib is not None else 0
+
+
+def use_bf16_tiles(from_rows: int) -> bool:
+    """Multiply calls of at least `from_rows` rows (0: none) with AMX-BF16 tiles on weights
+    dequantized once per call, where this machine's kernel has them and the OS grants them
+    (kernels/q4_1.c bf16_matmul: x kept in bf16, the weights rounded to bf16, so the results differ
+    in rounding from the integer paths, and are closer to the exact product); returns whether it
+    does. Checked before `use_amx`'s threshold."""
+    lib = _library()
+    return lib is not None and bool(lib.q4_1_bf16_enable(from_rows)) and from_rows > 0
+
+
+def bf16_calls() -> int:
+    """How many matmuls took the bf16 tile path in this process."""
+    lib = _library()
+    return int(lib.q4_1_bf16_calls()) if lib is not None else 0
 
 
 def outputs_in_lanes(n: int) -> bool:

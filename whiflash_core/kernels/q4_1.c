@@ -531,6 +531,135 @@ static int amx_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
     free(qx);
     return 0;
 }
+
+// ------------------------------------------------------------------ bf16 tiles on dequantized weights
+//
+// The integer tiles above still scale every block of every row apart (the scales d * dx differ
+// per block), which costs about what the dot products save. Here each group's weights are
+// dequantized once per call, w = d * q + m in float32 rounded to bf16, into tile B's bf16 layout
+// ([16 rows: k pairs][16 outputs x 2]); x's bf16 rows are tile A as they are; TDPBF16PS sums
+// whole rows of K into float32 tiles C with no per-block work. The dequantization (~0.3
+// instructions a weight) is shared by all of the call's rows, so this pays from a dozen rows or
+// so (measured per machine: tiles.py). Numerics differ from the integer paths: x is not rounded
+// to int8 (it stays bf16, exact), the weights are rounded to bf16 (relative error <= 2^-9, far
+// below Q4_1's own step), and the products are summed in the tile unit's order; a row's result
+// still never depends on the other rows.
+#if defined(__AMX_BF16__)
+#define BF16_TILES 1
+static int64_t bf16_from_rows = 0;   // calls of at least this many rows take this path (0: none)
+static int64_t bf16_calls = 0;
+
+// Tiles: C [16][16] float32 in 0..3 (two row tiles by two groups of outputs), A [16 rows of
+// x][32 bf16] in 4 and 5, B [16 k pairs][16 outputs x 2 bf16] in 6 and 7.
+static void bf16_configure(void) {
+    struct tile_config cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    TILE_BARRIER();
+    _tile_loadconfig(&cfg);
+}
+
+// Group o's block b as tile B in bf16: wb [16 rows][32 bf16], row i holding k = 2i, 2i + 1 of the
+// 16 outputs. In the packed block's vector j, lane l (output l) has k = 4j + c in byte c's low
+// nibble and k = 16 + 4j + c in its high one: a shift and a mask give one k for all 16 outputs as
+// int32 lanes, so d and m apply as they are (16 outputs in lanes); two such k become one tile row
+// (bf16 pairs: cvtne2ps puts them side by side, vpermw interleaves them per output).
+static inline __attribute__((always_inline)) void dequantize_block(const uint8_t *wq, const uint16_t *d16,
+                                                                    const uint16_t *m16, uint16_t *wb) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)m16));
+    // q -> float by table lookup: vpermps reads only an index's low 4 bits (the nibble)
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int j = 0; j < 4; j++) {
+        const __m512i v = _mm512_loadu_si512(wq + 64 * j);
+        for (int h = 0; h < 2; h++)
+            for (int c = 0; c < 4; c += 2) {
+                const __m512 qa = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * c + 4 * h), values);
+                const __m512 qb = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8 * c + 8 + 4 * h), values);
+                const __m512 wa = _mm512_fmadd_ps(qa, d, m), wb2 = _mm512_fmadd_ps(qb, d, m);
+                const __m512i side = (__m512i)_mm512_cvtne2ps_pbh(wb2, wa);   // [k for 16 outputs | k + 1]
+                _mm512_store_si512(wb + 32 * (8 * h + 2 * j + c / 2), _mm512_permutexvar_epi16(pairs, side));
+            }
+    }
+}
+
+static int bf16_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
+                       const uint16_t *mw, int64_t N, void *y, int y_bf16) {
+    const int64_t nb = K / QK, groups = N / 16, padded = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    bf16_calls++;
+    // x as bf16 rows padded with zero rows to whole tiles (float32 x rounded as store16 rounds)
+    uint16_t *xb = aligned_alloc(64, (size_t)(padded * K * 2 + 63) / 64 * 64);
+    if (xb == NULL) return -1;
+    for (int64_t r = 0; r < padded; r++)
+        for (int64_t k = 0; k < K; k += 16) {
+            if (r >= M) { _mm256_storeu_si256((__m256i *)(xb + r * K + k), _mm256_setzero_si256()); continue; }
+            if (x_bf16) _mm256_storeu_si256((__m256i *)(xb + r * K + k),
+                                            _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + r * K + k)));
+            else store16(xb, 1, r * K + k, _mm512_loadu_ps((const float *)x + r * K + k));
+        }
+#pragma omp parallel
+    {
+        bf16_configure();
+        uint16_t wb[2 * nb * 512] __attribute__((aligned(64)));   // two groups' blocks as tiles B (K = 1536: 96 KB)
+        float c[16 * 16] __attribute__((aligned(64)));
+        // pairs of groups to a thread: each x tile loaded feeds two products, each weight tile two
+        const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        const int64_t chunk = ((groups + threads - 1) / threads + 1) / 2 * 2;
+        const int64_t o0 = t * chunk < groups ? t * chunk : groups, o1 = o0 + chunk < groups ? o0 + chunk : groups;
+        for (int64_t o = o0; o < o1; o += 2) {
+            const int two = o + 1 < o1;
+            for (int g = 0; g <= two; g++) {
+                const uint8_t *wo = qw + (o + g) * nb * 256;
+                for (int64_t b = 0; b < nb; b++)
+                    dequantize_block(wo + b * 256, dw + ((o + g) * nb + b) * 16, mw + ((o + g) * nb + b) * 16,
+                                     wb + (g * nb + b) * 512);
+            }
+            const uint16_t *w1 = wb + nb * 512;
+            // C: 0 = (rows r0.., group o), 1 = (r0.., o + 1), 2 = (r0 + 16.., o), 3 = (r0 + 16.., o + 1)
+            for (int64_t r0 = 0; r0 < padded; r0 += 2 * AMX_ROWS) {
+                const int rows2 = r0 + AMX_ROWS < padded;
+                const uint16_t *a = xb + r0 * K;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t b = 0; b < nb; b++) {
+                    tile_load(6, wb + b * 512, 64);
+                    tile_load(4, a + b * QK, K * 2);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (two) { tile_load(7, w1 + b * 512, 64); _tile_dpbf16ps(1, 4, 7); }
+                    if (rows2) {
+                        tile_load(5, a + AMX_ROWS * K + b * QK, K * 2);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                for (int q = 0; q < 4; q++) {
+                    const int g = q & 1, rt = q >> 1;
+                    if ((g && !two) || (rt && !rows2)) continue;
+                    switch (q) {
+                        case 0: _tile_stored(0, c, 64); break;
+                        case 1: _tile_stored(1, c, 64); break;
+                        case 2: _tile_stored(2, c, 64); break;
+                        default: _tile_stored(3, c, 64); break;
+                    }
+                    TILE_BARRIER();
+                    for (int r = 0; r < AMX_ROWS && r0 + AMX_ROWS * rt + r < M; r++)
+                        store16(y, y_bf16, (r0 + AMX_ROWS * rt + r) * N + 16 * (o + g), _mm512_load_ps(c + 16 * r));
+                }
+            }
+        }
+        _tile_release();
+    }
+    free(xb);
+    return 0;
+}
+int q4_1_bf16_enable(int64_t from_rows) {
+    static int permitted = -1;
+    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    bf16_from_rows = permitted ? from_rows : 0;
+    return permitted;
+}
+#endif
 #endif
 #endif
 #if !defined(AMX)
@@ -538,6 +667,11 @@ static int64_t amx_calls = 0;
 int q4_1_amx_enable(int64_t from_rows) { (void)from_rows; return 0; }
 #endif
 int64_t q4_1_amx_calls(void) { return amx_calls; }
+#if !defined(BF16_TILES)
+static int64_t bf16_calls = 0;
+int q4_1_bf16_enable(int64_t from_rows) { (void)from_rows; return 0; }
+#endif
+int64_t q4_1_bf16_calls(void) { return bf16_calls; }
 
 // ------------------------------------------------------------------ entry points
 
@@ -551,6 +685,9 @@ int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
                 const uint16_t *mw, int64_t N, void *y, int y_bf16) {
 #if LANES16
 #if defined(AMX)
+#if defined(BF16_TILES)
+    if (q4_1_layout(N) && bf16_from_rows > 0 && M >= bf16_from_rows) return bf16_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
+#endif
     if (q4_1_layout(N) && amx_from_rows > 0 && M >= amx_from_rows) return amx_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
 #endif
     if (q4_1_layout(N)) return lanes_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
