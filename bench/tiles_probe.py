@@ -1,16 +1,17 @@
 """What AMX tiles change in a target forward (whiflash_core/tiles.py): time and agreement.
 
-    .venv/bin/python bench/tiles_probe.py --threads 2 --out bench/results/tiles_probe_xeon.json
+    .venv/bin/python bench/tiles_probe.py --threads 2 --out bench/results/tiles_probe_bf16_xeon.json
 
 Times the embedded target's forward (logits for every row, as a verify or a shared step runs it)
 of 1..64 new rows after 256 and 1,024 cached positions, with the tiles off, with the settings
 `tiles.choose` picks on this machine, and with those but the bf16 matmul tiles off ("integer"),
 interleaved rep by rep in one process (the median of each).
-Then the agreement: the same real text's forwards in both settings, per row whether the argmax
+Then a cold prompt's prefill each way (best of --prefill-reps), and the agreement: the same real
+text's forwards with the tiles off and as chosen, per row whether the argmax
 is the same and how far the logits moved. Tiles change the attention's rounding (bf16 products
 summed in the tile unit's order) and, from bf16_from_rows, the linears' (bf16 weights and x instead
 of int8 x), so a near tie can go the other way: reported, not asserted.
-On a CPU without AMX both columns are the same path (and the file says tiles: off).
+On a CPU without AMX the three are the same path (and the file says tiles: off).
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[256, 1024])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 24, 32, 48, 64])
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also time a cold prefill of this many tokens each way (0: not); from the format "
+                         "timing's prefill_from_rows on (128 on an AMX Xeon) a prompt runs in the dense twin, "
+                         "where the Q4_1 tiles do not apply: a control")
+    ap.add_argument("--prefill-reps", type=int, default=4)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -73,6 +79,22 @@ def main() -> None:
             timings.append(row)
             print(json.dumps(row), flush=True)
 
+    # a cold prompt's prefill (time to first token of a new conversation): 64-row stack calls
+    prefill = []
+    if args.prefill:
+        ids = torch.randint(100, 20000, (args.prefill,), generator=gen)
+        times = {name: [] for name, _ in ways}
+        for _ in range(args.prefill_reps):
+            for name, settings in ways:
+                tiles.apply(settings)
+                cache = target.new_cache(args.prefill + 1)
+                t0 = time.perf_counter()
+                target(ids, cache, logits_from=args.prefill - 1)
+                times[name].append(time.perf_counter() - t0)
+        prefill.append({"tokens": args.prefill, **{f"{k}_s": round(min(v), 3) for k, v in times.items()},
+                        "all_s": {k: [round(x, 3) for x in v] for k, v in times.items()}})
+        print(json.dumps(prefill[-1]), flush=True)
+
     # agreement: a real text's positions, verified in chunks of `rows` after a cached prefix
     ids = torch.tensor(engine.tokenizer(TEXT)["input_ids"][:1100])
     agreement = []
@@ -97,7 +119,8 @@ def main() -> None:
     report = {"command": " ".join(["python"] + sys.argv), "git": git_info(),
               "machine": machine_info("bfloat16", args.threads), "formats": str(target.formats),
               "tiles": {"chosen": chosen.__dict__, "timings_at_load": getattr(target, "tile_timings", None)},
-              "reps": args.reps, "forward_ms": timings, "agreement": agreement}
+              "reps": args.reps, "forward_ms": timings, "prefill_best_of": args.prefill_reps, "prefill": prefill,
+              "agreement": agreement}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

@@ -27,6 +27,17 @@ def _blocks(n: int, k: int, seed: int = 0):
     return q, d, m
 
 
+@pytest.fixture(autouse=True)
+def tiles_off_after():
+    """Every test here starts with the tiles off (an earlier test's model load may have applied
+    this machine's choice) and leaves the process's choice as it found it."""
+    q4_1_kernel.use_amx(0)
+    q4_1_kernel.use_bf16_tiles(0)
+    yield
+    from whiflash_core import tiles
+    tiles.apply(tiles.current())   # what the process had chosen (tests alone: off)
+
+
 @needs_kernel
 def test_the_kernel_builds_where_a_compiler_and_avx2_exist():
     assert q4_1_kernel.available()
@@ -139,11 +150,6 @@ needs_tiles = pytest.mark.skipif(not HAS_TILES, reason="this CPU (or this build:
                                  "the VNNI path the other tests check is then the only one")
 
 
-@pytest.fixture
-def tiles_off_after():
-    yield
-    from whiflash_core import tiles
-    tiles.apply(tiles.current())   # what the process had chosen (tests alone: off)
 
 
 @needs_tiles

@@ -599,13 +599,21 @@ static int bf16_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const ui
                                             _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + r * K + k)));
             else store16(xb, 1, r * K + k, _mm512_loadu_ps((const float *)x + r * K + k));
         }
-#pragma omp parallel
+    // per thread, two groups' blocks as tiles B (K = 1536: 96 KB; on the heap, as large models' K
+    // would not fit a thread's stack)
+    const int64_t team = omp_get_max_threads(), per_thread = 2 * nb * 512;
+    uint16_t *buffers = aligned_alloc(64, (size_t)(team * per_thread * 2 + 63) / 64 * 64);
+    if (buffers == NULL) {
+        free(xb);
+        return -1;
+    }
+#pragma omp parallel num_threads(team)
     {
         bf16_configure();
-        uint16_t wb[2 * nb * 512] __attribute__((aligned(64)));   // two groups' blocks as tiles B (K = 1536: 96 KB)
         float c[16 * 16] __attribute__((aligned(64)));
         // pairs of groups to a thread: each x tile loaded feeds two products, each weight tile two
         const int64_t threads = omp_get_num_threads(), t = omp_get_thread_num();
+        uint16_t *wb = buffers + t * per_thread;
         const int64_t chunk = ((groups + threads - 1) / threads + 1) / 2 * 2;
         const int64_t o0 = t * chunk < groups ? t * chunk : groups, o1 = o0 + chunk < groups ? o0 + chunk : groups;
         for (int64_t o = o0; o < o1; o += 2) {
@@ -650,6 +658,7 @@ static int bf16_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const ui
         }
         _tile_release();
     }
+    free(buffers);
     free(xb);
     return 0;
 }
