@@ -539,8 +539,8 @@ static int amx_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uin
 // dequantized once per call, w = d * q + m in float32 rounded to bf16, into tile B's bf16 layout
 // ([16 rows: k pairs][16 outputs x 2]); x's bf16 rows are tile A as they are; TDPBF16PS sums
 // whole rows of K into float32 tiles C with no per-block work. The dequantization (~0.3
-// instructions a weight) is shared by all of the call's rows, so this pays from a dozen rows or
-// so (measured per machine: tiles.py). Numerics differ from the integer paths: x is not rounded
+// instructions a weight) is shared by all of the call's rows, so this pays only from a few dozen
+// rows (measured per machine: tiles.py; 48 on the README's Xeon). Numerics differ from the integer paths: x is not rounded
 // to int8 (it stays bf16, exact), the weights are rounded to bf16 (relative error <= 2^-9, far
 // below Q4_1's own step), and the products are summed in the tile unit's order; a row's result
 // still never depends on the other rows.
@@ -561,9 +561,10 @@ static void bf16_configure(void) {
 
 // Group o's block b as tile B in bf16: wb [16 rows][32 bf16], row i holding k = 2i, 2i + 1 of the
 // 16 outputs. In the packed block's vector j, lane l (output l) has k = 4j + c in byte c's low
-// nibble and k = 16 + 4j + c in its high one: a shift and a mask give one k for all 16 outputs as
-// int32 lanes, so d and m apply as they are (16 outputs in lanes); two such k become one tile row
-// (bf16 pairs: cvtne2ps puts them side by side, vpermw interleaves them per output).
+// nibble and k = 16 + 4j + c in its high one: a shift brings one k's nibble of all 16 outputs to
+// the bottom of their int32 lanes, and vpermps looks its value up as a float (an index's low 4 bits
+// are the nibble), so d and m apply as they are (16 outputs in lanes); two such k become one tile
+// row (bf16 pairs: cvtne2ps puts them side by side, vpermw interleaves them per output).
 static inline __attribute__((always_inline)) void dequantize_block(const uint8_t *wq, const uint16_t *d16,
                                                                     const uint16_t *m16, uint16_t *wb) {
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)d16));
