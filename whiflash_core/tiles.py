@@ -7,8 +7,8 @@ Sapphire Rapids and later Xeons multiply 16 x 16 tiles in one instruction. Two k
   bits as without tiles. Each block's sums are still scaled row by row, which is most of its cost.
   `bf16_matmul`: the weights dequantized to bf16 once per call and multiplied by x's bf16 rows
   with TDPBF16PS over whole rows of K (no per-block work): a fixed cost per call (the
-  dequantization) and little per row, so it wins from a few dozen rows (a shared verify step, a
-  prefill). Its rounding differs from the integer paths' (x not rounded to int8, the weights
+  dequantization) and little per row, so it wins only from a few dozen rows (the shared step of
+  many streams, an agent turn of tens of new tokens; longer prompts run in the dense twin). Its rounding differs from the integer paths' (x not rounded to int8, the weights
   rounded to bf16): closer to the exact product, but a forward of many rows no longer has a short
   forward's bits. Both pay from some number of rows, timed here per machine;
 - attention with 8 or more queries a kv head (kernels/decode_ops.c, `attend_lanes_task_amx`):
