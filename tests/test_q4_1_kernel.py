@@ -228,7 +228,8 @@ def test_bf16_tiles_multiply_the_dequantized_weights(n, k, x_dtype, tiles_off_af
         integer = q4_1_kernel.matmul(x, qw, dw, mw).double()
         exact = x.double() @ exact_w.T
         assert (tiled - exact).norm() < (integer - exact).norm(), (n, k, rows)
-        as_bf16 = q4_1_kernel.use_bf16_tiles(1) and q4_1_kernel.matmul(x, qw, dw, mw, torch.bfloat16)
+        assert q4_1_kernel.use_bf16_tiles(1)
+        as_bf16 = q4_1_kernel.matmul(x, qw, dw, mw, torch.bfloat16)
         assert torch.equal(as_bf16, tiled.float().to(torch.bfloat16))   # stored bf16: the float32 result rounded
 
 

@@ -404,12 +404,16 @@ static int64_t amx_from_rows = 0;   // calls of at least this many rows take the
 static int64_t amx_calls = 0;       // calls that took it (for tests: the results are the same either way)
 
 // Linux gives a process the AMX tile state only when it asks (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); without it the first tile instruction is an illegal instruction.
-int q4_1_amx_enable(int64_t from_rows) {
+// XFEATURE_XTILEDATA); without it the first tile instruction is an illegal instruction. Asked once.
+static int tiles_permitted(void) {
     static int permitted = -1;
     if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    amx_from_rows = permitted ? from_rows : 0;
     return permitted;
+}
+
+int q4_1_amx_enable(int64_t from_rows) {
+    amx_from_rows = tiles_permitted() ? from_rows : 0;
+    return tiles_permitted();
 }
 
 struct tile_config {
@@ -664,10 +668,8 @@ static int bf16_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const ui
     return 0;
 }
 int q4_1_bf16_enable(int64_t from_rows) {
-    static int permitted = -1;
-    if (permitted < 0) permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    bf16_from_rows = permitted ? from_rows : 0;
-    return permitted;
+    bf16_from_rows = tiles_permitted() ? from_rows : 0;
+    return tiles_permitted();
 }
 #endif
 #endif
