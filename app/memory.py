@@ -63,6 +63,29 @@ def keep_large_buffers_off_the_heap(threshold: int = MMAP_THRESHOLD) -> None:
         mallopt(M_MMAP_THRESHOLD, threshold)
 
 
+# PyTorch runs bf16 matmuls through oneDNN (on CPUs with AVX-512 or AMX), and keeps what it built for
+# each shape in two caches, each of 1,024 entries by default: oneDNN's primitive cache and PyTorch's
+# ideep cache (LRU_CACHE_CAPACITY) in front of it. Every new row count of a dense forward (prefill
+# lengths, drafter catch-up) is a new shape, and each costs ~0.25 MB in each cache, so the server's
+# heap grew with the variety of prompt lengths it had seen: up to ~0.5 GB more in each (heaptrack:
+# oneDNN brgemm primitives were the growth under the 64-stream agent load; 300 row counts x 4 linear
+# shapes grew the heap 577 MB). Building a primitive costs ~1 ms (a 3 ms matmul of 230 rows took
+# 4.2-4.5 ms the first time), and the shapes that recur (the drafters' few row counts) stay in a
+# least-recently-used cache of a few hundred entries; a prefill's dozen new ones go in and out.
+KERNEL_CACHE_ENV = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_kernel_caches(entries: int) -> None:
+    """At most `entries` shapes in each of oneDNN's and ideep's kernel caches (see above). Both read
+    their capacity from the environment when first used, so this must run before the first bf16
+    matmul; a capacity already set in the environment wins. 0 is refused: ideep crashes with an
+    empty cache (segmentation fault in PyTorch 2.13)."""
+    if entries < 1:
+        raise ValueError("kernel caches need at least one entry")
+    for name in KERNEL_CACHE_ENV:
+        os.environ.setdefault(name, str(entries))
+
+
 @functools.cache
 def _libc():
     try:

@@ -124,13 +124,14 @@ class Replica:
 
     async def __init__(self, settings: dict):
         from .main import create_app
-        from .memory import limit_malloc_arenas
+        from .memory import bound_kernel_caches, limit_malloc_arenas
         from .serve_cli import load_server_engine
 
         context = serve.get_replica_context()
         self.name, self.rank = context.replica_id.unique_id, context.rank.rank
         self.settings = s = Settings(**settings)
         limit_malloc_arenas(s.malloc_arena_max)  # as `whiflash serve` does, in this replica's own process
+        bound_kernel_caches(s.kernel_cache_entries)
         engine = await asyncio.to_thread(load_server_engine, s)   # as `whiflash serve`
         self.app = create_app(engine, s)
         # the app's lifespan (engine thread, stats hub) as uvicorn would run it, for the replica's life

@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
                    help="largest request body accepted, larger ones get 413 before parsing (default 2 MiB)")
     p.add_argument("--malloc-arena-max", type=int, default=None,
                    help="glibc malloc arenas, as MALLOC_ARENA_MAX (default 2; 0: glibc's default of 8 per core)")
+    p.add_argument("--kernel-cache-entries", type=int, default=None,
+                   help="shapes kept in each of oneDNN's and PyTorch's bf16 matmul kernel caches (default 128; "
+                        "their own default of 1,024 let the heap grow with every new prompt length)")
     p.add_argument("--prefix-cache-mb", type=float, default=None,
                    help="prefix cache memory in MiB, 0 = off (default 512): later turns of a conversation "
                         "reuse the K/V of the earlier ones")
@@ -128,10 +131,11 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .main import create_app
-    from .memory import limit_malloc_arenas
+    from .memory import bound_kernel_caches, limit_malloc_arenas
 
     settings = settings_from_args(args)
     limit_malloc_arenas(settings.malloc_arena_max)  # before the engine and server start their threads
+    bound_kernel_caches(settings.kernel_cache_entries)  # before the engine's first matmul
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     replicas = replica_settings_from_args(args)
     if replicas is not None:

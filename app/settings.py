@@ -61,6 +61,11 @@ class Settings(BaseSettings):
         2, ge=0, description="glibc malloc arenas (as MALLOC_ARENA_MAX; 0: glibc's default, 8 per core): few "
                              "arenas let RSS return to its level after large requests (app/memory.py)")
 
+    kernel_cache_entries: int = Field(
+        128, ge=1, description="shapes kept in each of oneDNN's and PyTorch's bf16 matmul kernel caches (1,024 "
+                               "by default, ~0.25 MB each: the heap grew with every new prompt length; "
+                               "app/memory.py)")
+
     # grammars (tool_choice required / named, response_format): compiled in their own pool
     grammar_timeout: float = Field(10.0, gt=0, description="seconds a request waits for its grammar (then a 400)")
     grammar_queue: int = Field(4, ge=1, description="grammars compiling or waiting at once (beyond: 429)")
