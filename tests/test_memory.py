@@ -1,8 +1,11 @@
 """The server keeps large buffers off glibc's heap (app.memory.keep_large_buffers_off_the_heap):
 a freed request-sized buffer goes back to the OS at once, instead of staying in the heap for the
-next allocation to fragment (RSS then grows under load until a malloc_trim; bench/memory_soak.py)."""
+next allocation to fragment (RSS then grows under load until a malloc_trim; bench/memory_soak.py).
+And it bounds the kernel caches of PyTorch's bf16 matmuls (app.memory.bound_kernel_caches), which
+otherwise grow with every new prompt length."""
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -78,7 +81,8 @@ def kernel_cache_growth_mb(mode: str) -> float:
     return float(out.stdout.strip())
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2")
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not hasattr(ctypes.CDLL("libc.so.6"), "mallinfo2"),
+                    reason="glibc's mallinfo2 (glibc 2.33 and later)")
 def test_bf16_matmul_kernel_caches_stay_bounded_across_prompt_lengths():
     """450 new matmul shapes: with the caches bounded to 16 shapes the process holds no more than a
     few MB more. Where PyTorch runs bf16 matmuls through oneDNN (AVX-512 / AMX CPUs) the default
