@@ -12,21 +12,20 @@ OUT=$1; shift
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=$ROOT/.venv/bin/python
 PORT=${PORT:-8052}
+# shellcheck source=bench/server.sh
+. "$ROOT/bench/server.sh"
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 
 for pair in "$@"; do
   label=${pair%%=*}; server_args=${pair#*=}
   # shellcheck disable=SC2086  # the server arguments are words
-  (cd "$ROOT" && "$PY" -m whiflash_core.cli serve --port "$PORT" $server_args > "$WORK/$label.server.log" 2>&1) &
-  server=$!
-  for _ in $(seq 300); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 1; done
+  start_server "$ROOT" "$WORK/$label.server.log" -- $server_args
   "$PY" "$ROOT/bench/load.py" --url "http://127.0.0.1:$PORT" --streams 8 --seconds 20 --turns 6 --max-tokens 8 \
      --out "$WORK/$label.warm.json" > /dev/null 2>&1
   "$PY" "$ROOT/bench/load.py" --url "http://127.0.0.1:$PORT" --streams 64 --seconds 120 --turns 6 --max-tokens 8 \
      --out "$WORK/$label.json" > "$WORK/$label.log" 2>&1
-  pkill -f "whiflash_core.cli serve --port $PORT" || true
-  wait "$server" 2>/dev/null || true
+  stop_server
 done
 
 "$PY" - "$OUT" "$WORK" "$@" <<'PYEOF'

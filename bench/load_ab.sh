@@ -15,17 +15,15 @@ WORK=$(mktemp -d)
 trap 'git -C "$ROOT" worktree remove --force "$WORK/ref" >/dev/null 2>&1 || true; rm -rf "$WORK"' EXIT
 git -C "$ROOT" worktree add --detach "$WORK/ref" "$REF" >/dev/null 2>&1
 PORT=${PORT:-8051}
+# shellcheck source=bench/server.sh
+. "$ROOT/bench/server.sh"
 
 one() {   # LABEL CODE_DIR [ENV=VALUE ...]
   local label=$1 dir=$2; shift 2
-  (cd "$dir" && env "$@" PYTHONPATH="$dir" "$PY" -m whiflash_core.cli serve --port "$PORT" \
-     > "$WORK/$label.server.log" 2>&1) &
-  local server=$!
-  for _ in $(seq 300); do curl -sf "localhost:$PORT/health" >/dev/null && break; sleep 1; done
+  start_server "$dir" "$WORK/$label.server.log" "$@"
   "$PY" "$ROOT/bench/load.py" --url "http://127.0.0.1:$PORT" --streams 1 8 --seconds "$SECONDS_PER_RUN" \
      --turns 6 --max-tokens 32 --out "$WORK/$label.json" > "$WORK/$label.log" 2>&1
-  pkill -f "whiflash_core.cli serve --port $PORT" || true
-  wait "$server" 2>/dev/null || true
+  stop_server
 }
 
 for round in $(seq "$ROUNDS"); do
