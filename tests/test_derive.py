@@ -147,3 +147,61 @@ def test_code_prompts_one_per_function_in_the_files_language(tmp_path):
     assert "- base (integer): The base." in texts[1] and "- unit (string, optional): The unit." in texts[1]
     assert derive.code_prompts(str(tmp_path)) == out
     assert source_info("code_tasks_bfcl").licence == "Apache-2.0"
+
+
+def test_summary_prompts_one_per_english_passage_as_licensed_sources(data_dir, tmp_path):
+    path, para, other, abstract = data_dir
+    out = derive.summary_prompts(str(path))
+    # the passages of `passages` (no German, the short abstract left out), each whole in one template
+    assert {s: len(r) for s, r in out.items()} == {"summaries_xquad": 2, "summaries_scitldr": 2, "summaries_pubmedqa": 1}
+    texts = [r["messages"][0]["content"] for records in out.values() for r in records]
+    for text, passage in zip(texts, [para, other, abstract, f"{other} More.", f"{abstract} {other}"]):
+        assert passage in text and any(text == t.format(text=passage) for t in derive.SUMMARY_TEMPLATES)
+    assert derive.summary_prompts(str(path)) == out   # a rerun writes the same files
+    derive.write_sources(str(tmp_path / "out"), out)
+    loaded = load_prompts([str(tmp_path / "out")])
+    assert {c["source"] for c in loaded} == set(out)
+    assert source_info("summaries_xquad").licence == "CC BY-SA 4.0"
+    assert source_info("summaries_pubmedqa").licence == "MIT"
+    assert source_info("summaries_scitldr").licence.startswith("Apache-2.0")
+
+
+@pytest.mark.parametrize("answer, question", [
+    ("What is the boiling point of water at sea level?", "What is the boiling point of water at sea level?"),
+    ("Question: Who discovered oxygen?\nIt was Scheele.", "Who discovered oxygen?"),
+    ('"When did the Rhine become a border?"', "When did the Rhine become a border?"),
+    ("What does the passage say about oxygen?", None),   # needs the passage
+    ("Oxygen was discovered in 1773.", None),            # no question
+    ("Why?", None),                                      # too short to be one
+    ("", None),
+])
+def test_clean_question(answer, question):
+    assert derive.clean_question(answer) == question
+
+
+def test_asks_then_trivia_prompts(data_dir, tmp_path):
+    path, para, *_ = data_dir
+    asks = derive.ask_prompts(str(path))
+    assert len(asks) == 5 and para in asks[0]["messages"][0]["content"]
+    keys = [a["id"] for a in asks]
+    answers = ["Who discovered oxygen?", "Which sea does the Rhine flow into?", "who discovered oxygen?",
+               "What is in this text?", "How does working memory work?"]
+    out = derive.trivia_prompts(list(zip(keys, answers)))
+    # the question alone, once (a repeat in other case is left out), none that needs the passage
+    assert {s: [r["messages"][0]["content"] for r in records] for s, records in out.items()} == {
+        "trivia_xquad": ["Who discovered oxygen?", "Which sea does the Rhine flow into?"],
+        "trivia_scitldr": [], "trivia_pubmedqa": ["How does working memory work?"]}
+    derive.write_sources(str(tmp_path / "out"), out)
+    assert {c["source"] for c in load_prompts([str(tmp_path / "out")])} == {"trivia_xquad", "trivia_pubmedqa"}
+    assert source_info("trivia_xquad").licence == "CC BY-SA 4.0"
+    assert source_info("trivia_pubmedqa").licence == "MIT"
+
+
+def test_second_template_set_gives_other_prompts_on_the_same_subjects():
+    answers = [(f"xquad-{i:03d}", "photosynthesis") for i in range(40)]
+    first, second = derive.task_prompts(answers), derive.task_prompts(answers, derive.TEMPLATES_2)
+    texts = {r["messages"][0]["content"] for r in second["xquad"]}
+    assert len(second["xquad"]) == 80 and len(texts) == len(derive.TEMPLATES_2)
+    assert not texts & {r["messages"][0]["content"] for r in first["xquad"]}
+    assert not {r["id"] for r in second["xquad"]} & {r["id"] for r in first["xquad"]}
+    assert source_info("topic_tasks2_xquad").licence == "CC BY-SA 4.0"

@@ -13,6 +13,8 @@ still come from licensed text:
        of the TEMPLATES (writing: a blog post, a story, a letter...; explaining: simple terms,
        history, arguments for and against...), chosen by a hash of the passage id, so a rerun
        writes the same file. `whiflash train distill` answers those: the training data.
+       `derive --step tasks2` does the same with TEMPLATES_2 (emails, outlines, dialogues, role-play,
+       lists, reports...): topic_tasks2_xquad, topic_tasks2_scitldr, topic_tasks2_pubmedqa.
 
     whiflash train derive --step topics --data ../shared/data/train --out datasets/prompts/passage_topics.jsonl
     whiflash train distill --prompts datasets/prompts/passage_topics.jsonl --out datasets/smollm2-topics \\
@@ -36,6 +38,26 @@ Two more kinds, in one step each, straight from the prompt sets (no target answe
     whiflash train derive --step questions --out datasets/prompts
     whiflash train derive --step code --out datasets/prompts
     whiflash train distill --prompts datasets/prompts/closed_book_xquad.jsonl ... --out datasets/smollm2-distill-r4
+
+    `derive --step summaries`: English-to-English summaries of whole passages (Spec-Bench's
+       summarization, where EAGLE-3 accepts least, asks for them; the summary sets mostly summarize
+       from another language or ask for a headline), one per distinct English passage (the passages
+       of step 1) in one of SUMMARY_TEMPLATES: summaries_xquad, summaries_scitldr, summaries_pubmedqa.
+
+    whiflash train derive --step summaries --out datasets/prompts
+
+And short general-knowledge questions (Spec-Bench's qa asks search-engine questions; the
+closed-book sets' questions are about details of their passages), in two steps like the tasks:
+
+    1. `derive --step asks`: per distinct English passage, the target is asked for one question
+       about the passage's subject that needs no passage (ASK_QUESTION); distill answers them.
+    2. `derive --step trivia --topics DISTILLED`: each answer that is one question (`clean_question`)
+       becomes a prompt of its own: trivia_xquad, trivia_scitldr, trivia_pubmedqa.
+
+    whiflash train derive --step asks --out datasets/prompts/passage_asks.jsonl
+    whiflash train distill --prompts datasets/prompts/passage_asks.jsonl --out datasets/smollm2-asks \
+        --sample-frac 0 --val-per-source 0 --max-new-tokens 40 --max-prompt-tokens 1024
+    whiflash train derive --step trivia --topics datasets/smollm2-asks --out datasets/prompts
 """
 from __future__ import annotations
 
@@ -70,7 +92,21 @@ TEMPLATES = (
     "What are the main arguments for and against {topic}?",
     "How does {topic} affect everyday life? Give examples.",
 )
-TASKS_PER_TOPIC = 2   # pick_templates keeps two distinct; more would need a step coprime with len(TEMPLATES)
+# `derive --step tasks2`: a second set on the same subjects (topic_tasks2_*), the kinds of request
+# the first set lacks: emails, outlines, dialogues, role-play, lists, comparisons, reports, advice
+TEMPLATES_2 = (
+    "Write a professional email to a colleague about {topic}.",
+    "Write an outline for a presentation on {topic}, with headings and key points.",
+    "Imagine you are an expert on {topic}. Answer a curious student's questions about it, in character.",
+    "Write a short dialogue between two friends who disagree about {topic}.",
+    "List five interesting facts about {topic}, with a sentence on each.",
+    "Compare two different views on {topic} and say which one you find more convincing.",
+    "Write an advertisement for a product or service related to {topic}.",
+    "Explain {topic} to a ten-year-old.",
+    "Write a news report about a recent development in {topic}.",
+    "Give step-by-step advice to someone who wants to learn about {topic}.",
+)
+TASKS_PER_TOPIC = 2   # pick_templates keeps two distinct; more would need a step coprime with len(templates)
 MAX_TOPIC_WORDS = 8
 
 
@@ -140,25 +176,64 @@ def clean_topic(answer: str) -> str | None:
     return line
 
 
-def pick_templates(key: str, n: int = TASKS_PER_TOPIC) -> list[str]:
+def pick_templates(key: str, n: int = TASKS_PER_TOPIC, templates: tuple[str, ...] = TEMPLATES) -> list[str]:
     """n distinct templates for a passage id, the same on every run (a hash, not a random draw)."""
     h = int(hashlib.sha1(key.encode()).hexdigest(), 16)
-    first = h % len(TEMPLATES)
-    step = 1 + (h // len(TEMPLATES)) % (len(TEMPLATES) - 1)   # 1..9: the first two always differ
-    return [TEMPLATES[(first + i * step) % len(TEMPLATES)] for i in range(n)]
+    first = h % len(templates)
+    step = 1 + (h // len(templates)) % (len(templates) - 1)   # 1..9: the first two always differ
+    return [templates[(first + i * step) % len(templates)] for i in range(n)]
 
 
-def task_prompts(topics: list[tuple[str, str]]) -> dict[str, list[dict]]:
+def task_prompts(topics: list[tuple[str, str]], templates: tuple[str, ...] = TEMPLATES) -> dict[str, list[dict]]:
     """Step 2's prompt records per origin from (passage id, target's answer) pairs; answers that
-    are no topic are left out."""
+    are no topic are left out. Ids name the template set (a second set's ids differ)."""
+    tag = "" if templates is TEMPLATES else "t2-"
     out: dict[str, list[dict]] = {origin: [] for origin in ORIGINS}
     for key, answer in topics:
         topic = clean_topic(answer)
         origin = key.split("-", 1)[0]
         if topic is None or origin not in out:
             continue
-        for i, template in enumerate(pick_templates(key)):
-            out[origin].append({"id": f"{key}-{i}", "messages": [{"role": "user", "content": template.format(topic=topic)}]})
+        for i, template in enumerate(pick_templates(key, templates=templates)):
+            out[origin].append({"id": f"{key}-{tag}{i}", "messages": [{"role": "user", "content": template.format(topic=topic)}]})
+    return out
+
+
+ASK_QUESTION = ("Here is a passage.\n\n{passage}\n\nWrite one short general-knowledge question about the subject "
+                "of this passage that someone could ask a search engine, answerable without the passage. "
+                "Reply with the question only.")
+MAX_QUESTION_WORDS = 25
+
+
+def ask_prompts(data_dir: str) -> list[dict]:
+    """Step 1 of the trivia questions: one ASK_QUESTION prompt per distinct English passage."""
+    return [{"id": f"{p.origin}-a-{p.key}", "messages": [{"role": "user", "content": ASK_QUESTION.format(passage=p.text)}]}
+            for p in passages(data_dir)]
+
+
+def clean_question(answer: str) -> str | None:
+    """The target's answer to ASK_QUESTION as one question, or None when it is not one (no question
+    mark on its first line, too short or too long, or a reference to "the passage")."""
+    line = answer.strip().split("\n")[0].strip()
+    line = re.sub(r"^(question:\s*|\*\*question:?\*\*:?\s*|q:\s*)", "", line, flags=re.I).strip(" \"'*")
+    words = line.split()
+    if not line.endswith("?") or not 3 <= len(words) <= MAX_QUESTION_WORDS or re.search(r"\b(passage|text|article)\b", line, re.I):
+        return None
+    return line
+
+
+def trivia_prompts(asked: list[tuple[str, str]]) -> dict[str, list[dict]]:
+    """Step 2's prompt records per origin from (passage id, target's answer) pairs: the question
+    alone; answers that are no question, and repeated questions, are left out."""
+    out: dict[str, list[dict]] = {f"trivia_{origin}": [] for origin in ORIGINS}
+    seen: set[str] = set()
+    for key, answer in asked:
+        question = clean_question(answer)
+        source = f"trivia_{key.split('-', 1)[0]}"
+        if question is None or source not in out or question.lower() in seen:
+            continue
+        seen.add(question.lower())
+        out[source].append({"id": f"{key}-t", "messages": [{"role": "user", "content": question}]})
     return out
 
 
@@ -250,6 +325,29 @@ def code_prompts(data_dir: str) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------- summaries
+
+SUMMARY_TEMPLATES = (
+    "Summarize the following text.\n\n{text}",
+    "{text}\n\nSummarize the passage above in a few sentences.",
+    "Write a concise summary of this passage:\n\n{text}",
+    "Read the text below and sum up its main points.\n\n{text}",
+    "Give a two- or three-sentence summary of the following.\n\n{text}",
+    "{text}\n\nWhat is this passage about? Summarize it briefly.",
+)
+
+
+def summary_prompts(data_dir: str) -> dict[str, list[dict]]:
+    """Per origin, one summarization prompt per distinct English passage (`passages`), the template
+    chosen by a hash of the passage id, so a rerun writes the same files."""
+    out: dict[str, list[dict]] = {f"summaries_{origin}": [] for origin in ORIGINS}
+    for p in passages(data_dir):
+        template = SUMMARY_TEMPLATES[int(p.key, 16) % len(SUMMARY_TEMPLATES)]
+        out[f"summaries_{p.origin}"].append({"id": f"{p.origin}-s-{p.key}",
+                                             "messages": [{"role": "user", "content": template.format(text=p.text)}]})
+    return out
+
+
 def write_sources(out_dir: str, files: dict[str, list[dict]]) -> None:
     """Each source's prompt records to out_dir/<source>.jsonl (the file name is the source name)."""
     for source, records in files.items():
@@ -270,11 +368,14 @@ def write_jsonl(path: str, records: list[dict]) -> None:
 @dataclass
 class DeriveSettings:
     step: str = setting(help="topics: step 1's prompts from passages; tasks: step 2's from answered topics; "
-                             "questions: closed-book questions; code: code-writing tasks from BFCL functions",
-                        choices=["topics", "tasks", "questions", "code"])
-    out: str = setting(help="topics: the JSONL to write; the other steps: the directory for their JSONL files")
-    data: str = setting("../shared/data/train", "topics, questions, code: the prompt sets' directory")
-    topics: str | None = setting(None, "tasks: the distilled directory of step 1's answers")
+                             "questions: closed-book questions; code: code-writing tasks from BFCL functions; "
+                             "summaries: summaries of the English passages; asks: step 1 of trivia questions (the target "
+                             "writes them); trivia: step 2, the questions from the answered asks; tasks2: step 2 "
+                             "of the topics with the second template set",
+                        choices=["topics", "tasks", "tasks2", "questions", "code", "summaries", "asks", "trivia"])
+    out: str = setting(help="topics, asks: the JSONL to write; the other steps: the directory for their JSONL files")
+    data: str = setting("../shared/data/train", "topics, asks, questions, code, summaries: the prompt sets' directory")
+    topics: str | None = setting(None, "tasks, tasks2, trivia: the distilled directory of step 1's answers")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -287,17 +388,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     s = from_args(DeriveSettings, args)
-    if s.step == "topics":
-        records = topic_prompts(s.data)
+    if s.step in ("topics", "asks"):
+        records = topic_prompts(s.data) if s.step == "topics" else ask_prompts(s.data)
         write_jsonl(s.out, records)
-        print(f"wrote {len(records)} topic prompts to {s.out}")
+        print(f"wrote {len(records)} {s.step} prompts to {s.out}")
         return 0
-    if s.step in ("questions", "code"):
-        write_sources(s.out, question_prompts(s.data) if s.step == "questions" else
-                      {"code_tasks_bfcl": code_prompts(s.data)})
+    if s.step in ("questions", "code", "summaries"):
+        files = {"questions": lambda: question_prompts(s.data), "summaries": lambda: summary_prompts(s.data),
+                 "code": lambda: {"code_tasks_bfcl": code_prompts(s.data)}}[s.step]()
+        write_sources(s.out, files)
         return 0
     if not s.topics:
-        raise SystemExit("derive tasks needs --topics (the distilled answers of step 1)")
-    write_sources(s.out, {f"topic_tasks_{origin}": records
-                          for origin, records in task_prompts(answered_topics(s.topics)).items()})
+        raise SystemExit(f"derive {s.step} needs --topics (the distilled answers of step 1)")
+    if s.step == "trivia":
+        write_sources(s.out, trivia_prompts(answered_topics(s.topics)))
+        return 0
+    second = s.step == "tasks2"
+    write_sources(s.out, {f"topic_tasks{'2' if second else ''}_{origin}": records for origin, records in
+                          task_prompts(answered_topics(s.topics), TEMPLATES_2 if second else TEMPLATES).items()})
     return 0

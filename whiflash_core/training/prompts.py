@@ -102,6 +102,16 @@ SOURCES: dict[str, SourceInfo] = {
                 ("topic_tasks_pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
             ]
         ],
+        # the second template set on the same subjects (derive --step tasks2)
+        *[
+            SourceInfo(name, licence, f"whiflash train derive, subjects of {origin}", 1)
+            for name, licence, origin in [
+                ("topic_tasks2_xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
+                ("topic_tasks2_scitldr", "Apache-2.0 (repo; no separate data licence)",
+                 "allenai/scitldr : SciTLDR-A abstracts"),
+                ("topic_tasks2_pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
+            ]
+        ],
         # closed-book questions and code-writing tasks (training/derive.py), with their sets' licences
         *[
             SourceInfo(name, licence, f"whiflash train derive, {origin}", 1)
@@ -110,6 +120,24 @@ SOURCES: dict[str, SourceInfo] = {
                 ("closed_book_pubmedqa", "MIT", "the questions of pubmedqa/pubmedqa : data/ori_pqal.json"),
                 ("code_tasks_bfcl", "Apache-2.0",
                  "the function specs of ShishirPatil/gorilla : berkeley-function-call-leaderboard BFCL_v4_*.json"),
+            ]
+        ],
+        # summaries of the English passages (training/derive.py), each with its passages' licence
+        *[
+            SourceInfo(f"summaries_{origin}", licence, f"whiflash train derive, summaries of {text}", 1)
+            for origin, licence, text in [
+                ("xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
+                ("scitldr", "Apache-2.0 (repo; no separate data licence)", "allenai/scitldr : SciTLDR-A abstracts"),
+                ("pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
+            ]
+        ],
+        # general-knowledge questions the target wrote about the passages' subjects (derive.py)
+        *[
+            SourceInfo(f"trivia_{origin}", licence, f"whiflash train derive, questions on the subjects of {text}", 1)
+            for origin, licence, text in [
+                ("xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
+                ("scitldr", "Apache-2.0 (repo; no separate data licence)", "allenai/scitldr : SciTLDR-A abstracts"),
+                ("pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
             ]
         ],
         SourceInfo("alpaca_en_demo",
