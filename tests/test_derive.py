@@ -205,3 +205,9 @@ def test_second_template_set_gives_other_prompts_on_the_same_subjects():
     assert not texts & {r["messages"][0]["content"] for r in first["xquad"]}
     assert not {r["id"] for r in second["xquad"]} & {r["id"] for r in first["xquad"]}
     assert source_info("topic_tasks2_xquad").licence == "CC BY-SA 4.0"
+
+
+@pytest.mark.parametrize("answer", ["What is the answer to this question?", "What is the purpose of this study?",
+                                    "What is the general-knowledge question that someone could ask a search engine?"])
+def test_clean_question_drops_questions_without_a_referent(answer):
+    assert derive.clean_question(answer) is None

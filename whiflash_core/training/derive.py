@@ -213,13 +213,19 @@ def ask_prompts(data_dir: str) -> list[dict]:
 
 def clean_question(answer: str) -> str | None:
     """The target's answer to ASK_QUESTION as one question, or None when it is not one (no question
-    mark on its first line, too short or too long, or a reference to "the passage")."""
+    mark on its first line, too short or too long, or no referent without the passage: _NO_REFERENT)."""
     line = answer.strip().split("\n")[0].strip()
     line = re.sub(r"^(question:\s*|\*\*question:?\*\*:?\s*|q:\s*)", "", line, flags=re.I).strip(" \"'*")
     words = line.split()
-    if not line.endswith("?") or not 3 <= len(words) <= MAX_QUESTION_WORDS or re.search(r"\b(passage|text|article)\b", line, re.I):
+    if not line.endswith("?") or not 3 <= len(words) <= MAX_QUESTION_WORDS or _NO_REFERENT.search(line):
         return None
     return line
+
+
+# a question about the prompt itself ("What is the answer to this question?", "... a search engine
+# could answer?") or about a text the asker no longer has ("the passage", "this study")
+_NO_REFERENT = re.compile(r"\b(passage|text|article|search engine|general.knowledge)\b|"
+                          r"\b(this|the) (question|study|paper|abstract)\b", re.I)
 
 
 def trivia_prompts(asked: list[tuple[str, str]]) -> dict[str, list[dict]]:
