@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
+from whiflash_core.drafters.checkpoint import load_state_dict  # noqa: E402
 from whiflash_core.loading import SHIPPED_DRAFTERS  # noqa: E402
 from whiflash_core.training.data import data_dirs  # noqa: E402
 from whiflash_core.training.distill import load_distilled  # noqa: E402
@@ -71,8 +72,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    from safetensors.torch import load_file
-    shipped = load_file(os.path.join(args.drafter, "model.safetensors"))["t2d"].bool()
+    shipped = load_state_dict(args.drafter)["t2d"].bool()   # one file or shards
     counts = training_counts(args.data, set(filter(None, args.exclude_sources.split(","))))
     order = torch.argsort(-counts, stable=True)
     heads = {"shipped": shipped}
