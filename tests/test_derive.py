@@ -199,7 +199,7 @@ def test_asks_then_trivia_prompts(data_dir, tmp_path):
 
 def test_second_template_set_gives_other_prompts_on_the_same_subjects():
     answers = [(f"xquad-{i:03d}", "photosynthesis") for i in range(40)]
-    first, second = derive.task_prompts(answers), derive.task_prompts(answers, derive.TEMPLATES_2)
+    first, second = derive.task_prompts(answers), derive.task_prompts(answers, derive.TEMPLATES_2, "t2-")
     texts = {r["messages"][0]["content"] for r in second["xquad"]}
     assert len(second["xquad"]) == 80 and len(texts) == len(derive.TEMPLATES_2)
     assert not texts & {r["messages"][0]["content"] for r in first["xquad"]}

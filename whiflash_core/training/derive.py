@@ -184,10 +184,10 @@ def pick_templates(key: str, n: int = TASKS_PER_TOPIC, templates: tuple[str, ...
     return [templates[(first + i * step) % len(templates)] for i in range(n)]
 
 
-def task_prompts(topics: list[tuple[str, str]], templates: tuple[str, ...] = TEMPLATES) -> dict[str, list[dict]]:
+def task_prompts(topics: list[tuple[str, str]], templates: tuple[str, ...] = TEMPLATES,
+                 tag: str = "") -> dict[str, list[dict]]:
     """Step 2's prompt records per origin from (passage id, target's answer) pairs; answers that
-    are no topic are left out. Ids name the template set (a second set's ids differ)."""
-    tag = "" if templates is TEMPLATES else "t2-"
+    are no topic are left out. `tag` goes into the ids (another template set's ids must differ)."""
     out: dict[str, list[dict]] = {origin: [] for origin in ORIGINS}
     for key, answer in topics:
         topic = clean_topic(answer)
@@ -409,7 +409,7 @@ def run(args: argparse.Namespace) -> int:
     if s.step == "trivia":
         write_sources(s.out, trivia_prompts(answered_topics(s.topics)))
         return 0
-    second = s.step == "tasks2"
-    write_sources(s.out, {f"topic_tasks{'2' if second else ''}_{origin}": records for origin, records in
-                          task_prompts(answered_topics(s.topics), TEMPLATES_2 if second else TEMPLATES).items()})
+    templates, tag, kind = (TEMPLATES_2, "t2-", "topic_tasks2") if s.step == "tasks2" else (TEMPLATES, "", "topic_tasks")
+    write_sources(s.out, {f"{kind}_{origin}": records
+                          for origin, records in task_prompts(answered_topics(s.topics), templates, tag).items()})
     return 0

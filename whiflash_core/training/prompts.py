@@ -48,6 +48,12 @@ _BFCL_FILES = (
 _CC_BY_NC = "code Apache-2.0; data CC BY-NC 4.0 (repo DATA_LICENSE)"
 _CC_BY_SA = "CC BY-SA 4.0"
 
+# the English passages `whiflash train derive` makes prompts from: (origin, licence, where from)
+_DERIVE_PASSAGES = [
+    ("xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
+    ("scitldr", "Apache-2.0 (repo; no separate data licence)", "allenai/scitldr : SciTLDR-A abstracts"),
+    ("pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
+]
 SOURCES: dict[str, SourceInfo] = {
     info.name: info
     for info in [
@@ -91,26 +97,15 @@ SOURCES: dict[str, SourceInfo] = {
                  "google-research-datasets/dstc8-schema-guided-dialogue : train/dialogues_*.json, train/schema.json"),
             ]
         ],
-        # writing and explaining prompts on subjects the target named for licensed passages
-        # (training/derive.py): each carries its passages' licence
+        # prompts made from licensed English passages by `whiflash train derive` (training/derive.py):
+        # writing/explaining tasks on the subjects the target named (two template sets), summaries
+        # of the passages, and questions the target wrote on their subjects; each carries its
+        # passages' licence
         *[
-            SourceInfo(name, licence, f"whiflash train derive, subjects of {origin}", 1)
-            for name, licence, origin in [
-                ("topic_tasks_xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
-                ("topic_tasks_scitldr", "Apache-2.0 (repo; no separate data licence)",
-                 "allenai/scitldr : SciTLDR-A abstracts"),
-                ("topic_tasks_pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
-            ]
-        ],
-        # the second template set on the same subjects (derive --step tasks2)
-        *[
-            SourceInfo(name, licence, f"whiflash train derive, subjects of {origin}", 1)
-            for name, licence, origin in [
-                ("topic_tasks2_xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
-                ("topic_tasks2_scitldr", "Apache-2.0 (repo; no separate data licence)",
-                 "allenai/scitldr : SciTLDR-A abstracts"),
-                ("topic_tasks2_pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
-            ]
+            SourceInfo(f"{kind}_{origin}", licence, f"whiflash train derive, {what} {passages}", 1)
+            for kind, what in [("topic_tasks", "subjects of"), ("topic_tasks2", "subjects of"),
+                               ("summaries", "summaries of"), ("trivia", "questions on the subjects of")]
+            for origin, licence, passages in _DERIVE_PASSAGES
         ],
         # closed-book questions and code-writing tasks (training/derive.py), with their sets' licences
         *[
@@ -120,24 +115,6 @@ SOURCES: dict[str, SourceInfo] = {
                 ("closed_book_pubmedqa", "MIT", "the questions of pubmedqa/pubmedqa : data/ori_pqal.json"),
                 ("code_tasks_bfcl", "Apache-2.0",
                  "the function specs of ShishirPatil/gorilla : berkeley-function-call-leaderboard BFCL_v4_*.json"),
-            ]
-        ],
-        # summaries of the English passages (training/derive.py), each with its passages' licence
-        *[
-            SourceInfo(f"summaries_{origin}", licence, f"whiflash train derive, summaries of {text}", 1)
-            for origin, licence, text in [
-                ("xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
-                ("scitldr", "Apache-2.0 (repo; no separate data licence)", "allenai/scitldr : SciTLDR-A abstracts"),
-                ("pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
-            ]
-        ],
-        # general-knowledge questions the target wrote about the passages' subjects (derive.py)
-        *[
-            SourceInfo(f"trivia_{origin}", licence, f"whiflash train derive, questions on the subjects of {text}", 1)
-            for origin, licence, text in [
-                ("xquad", _CC_BY_SA, "google-deepmind/xquad : xquad.en.json paragraphs"),
-                ("scitldr", "Apache-2.0 (repo; no separate data licence)", "allenai/scitldr : SciTLDR-A abstracts"),
-                ("pubmedqa", "MIT", "pubmedqa/pubmedqa : data/ori_pqal.json contexts"),
             ]
         ],
         SourceInfo("alpaca_en_demo",
