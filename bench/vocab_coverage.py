@@ -11,8 +11,8 @@ emitted token ids per prompt; the answers are the target's, so only where they a
 never trained on) and reports, per category, the share of answer tokens that:
   - the shipped drafter's head covers (`--drafter`, its t2d), and
   - a head of each `--sizes` rows would cover, its rows the most frequent response tokens of the
-    training data (`--data`, train splits, `--exclude-sources` left out), as `--draft-vocab` and
-    `--grow-vocab` choose them.
+    training data (`--data`, train splits as training loads them, `--exclude-sources` left out),
+    chosen by the function `--draft-vocab` uses (training.data.build_draft_vocab).
 With acceptance rate p per drafted position and coverage c, a chain's tokens scale with (c p)^j at
 position j: the coverage is a ceiling no amount of training on the same head lifts.
 """
@@ -31,10 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
 from whiflash_core.drafters.checkpoint import load_state_dict  # noqa: E402
 from whiflash_core.loading import SHIPPED_DRAFTERS  # noqa: E402
-from whiflash_core.training.data import data_dirs  # noqa: E402
-from whiflash_core.training.distill import load_distilled  # noqa: E402
-
-VOCAB = 49152   # SmolLM2's
+from whiflash_core.training.data import build_draft_vocab, load_examples, response_counts  # noqa: E402
 
 
 def answers_by_category(path: str, run: str | None) -> dict[str, list[int]]:
@@ -48,15 +45,6 @@ def answers_by_category(path: str, run: str | None) -> dict[str, list[int]]:
     return dict(out)
 
 
-def training_counts(data: str, exclude: set[str]) -> torch.Tensor:
-    counts = torch.zeros(VOCAB, dtype=torch.long)
-    for d in data_dirs(data):
-        for s in load_distilled(d, "train"):
-            if s["source"] not in exclude:
-                counts += torch.bincount(torch.as_tensor(s["response_ids"].astype("int64")), minlength=VOCAB)
-    return counts
-
-
 def coverage(mask: torch.Tensor, tokens: list[int]) -> float:
     return round(float(mask[torch.tensor(tokens)].float().mean()), 4)
 
@@ -68,16 +56,18 @@ def main() -> None:
     ap.add_argument("--drafter", default=os.path.join(SHIPPED_DRAFTERS, "eagle3"))
     ap.add_argument("--data", required=True, help="distilled directories, comma-separated")
     ap.add_argument("--exclude-sources", default="alpaca_en_demo,alpaca_seed_tasks,code_alpaca_2k,new_codealpaca")
+    ap.add_argument("--max-len", type=int, default=2048, help="as the training run's --max-len")
     ap.add_argument("--sizes", type=int, nargs="+", default=[8192, 12288, 16384])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
-    shipped = load_state_dict(args.drafter)["t2d"].bool()   # one file or shards
-    counts = training_counts(args.data, set(filter(None, args.exclude_sources.split(","))))
-    order = torch.argsort(-counts, stable=True)
+    shipped = load_state_dict(args.drafter)["t2d"].bool()   # one file or shards; [target vocab]
+    vocab = len(shipped)
+    examples = load_examples(args.data, "train", args.max_len, args.exclude_sources)
+    counts = response_counts(examples, vocab)
     heads = {"shipped": shipped}
     for n in args.sizes:
-        heads[f"top{n}"] = torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, order[:n], True)
+        heads[f"top{n}"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, build_draft_vocab(examples, n, vocab)[0], True)
     answers = answers_by_category(args.answers, args.run)
     everything = [t for tokens in answers.values() for t in tokens]
     table = {name: {**{c: coverage(m, t) for c, t in answers.items()}, "all": coverage(m, everything),
