@@ -322,13 +322,14 @@ static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_
     const uint8_t *wo = qw + o * nb * 256;
     const uint16_t *dwo = dw + o * nb * 16, *mwo = mw + o * nb * 16;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[R];
+    __m512 acc[LANE_ROWS];   // sized by the constant, not R: a variable-length array here is
+                             // allocated on the stack every block, its values stored and reloaded
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wo + b * 256;
         // the weights stream from memory once: ask for those PREFETCH_ROWS output rows ahead
         for (int off = 0; off < 256; off += 64) _mm_prefetch((const char *)(wb + PREFETCH_ROWS * nb * 16 + off), _MM_HINT_T0);
-        __m512i i0[R], i1[R];
+        __m512i i0[LANE_ROWS], i1[LANE_ROWS];
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm512_setzero_si512();
         for (int j = 0; j < 4; j++) {
             const __m512i t = _mm512_loadu_si512(wb + 64 * j);
