@@ -52,6 +52,7 @@
 
 #define QK 32
 #define MAX_ROWS 4  // rows of x multiplied per pass over a weight row (more rows: several passes)
+#define MAX_NR 4    // output rows a tile() covers at once (4 at one row of x: see rows())
 #define BLOCK_ROWS 32  // weight rows a pass covers before the next pass (a multiple of 4; see q4_1_matmul)
 #ifndef PREFETCH_ROWS
 #define PREFETCH_ROWS 32  // weight rows fetched ahead (see tile)
@@ -205,10 +206,10 @@ static inline __m128 load_short_ph(const uint16_t *p, int width) {
 // added into the low lanes of the accumulators.
 static inline __attribute__((always_inline)) void short_group(const int R, const int NR, const int width,
         int64_t start, int64_t n, int64_t np, const uint8_t *qw, const uint16_t *dw, const uint16_t *mw,
-        const int8_t *qx, const float *dx, const float *sx, __m256 acc[NR][R]) {
+        const int8_t *qx, const float *dx, const float *sx, __m256 acc[MAX_NR][MAX_ROWS]) {
     for (int u = 0; u < NR; u++) {
         const uint8_t *wq = qw + (n + u) * np * 16 + start * 16;
-        __m128i i0[R], i1[R];
+        __m128i i0[MAX_ROWS], i1[MAX_ROWS];
         for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm_setzero_si128();
         for (int i = 0; i < 4; i++) {
             const __m128i t = load_short(wq + 4 * width * i, width), low = _mm_set1_epi8(0x0F);
@@ -248,13 +249,15 @@ static inline __attribute__((always_inline)) void tile(const int R, const int NR
             _mm_prefetch(sm + off, _MM_HINT_T0);
         }
     }
-    __m256 acc[NR][R];
+    // Arrays sized by the constants, not by R and NR: variable-length arrays were allocated on the
+    // stack every group and their values stored and reloaded.
+    __m256 acc[MAX_NR][MAX_ROWS];
     for (int u = 0; u < NR; u++)
         for (int r = 0; r < R; r++) acc[u][r] = _mm256_setzero_ps();
     for (int64_t g = 0; g < full; g += 8) {  // groups of 8 blocks
         for (int u = 0; u < NR; u++) {
             const uint8_t *wq = qw + (n + u) * np * 16 + g * 16;
-            __m256i i0[R], i1[R];
+            __m256i i0[MAX_ROWS], i1[MAX_ROWS];
             for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
                 const __m256i t = _mm256_loadu_si256((const __m256i *)(wq + 32 * i)), low = _mm256_set1_epi8(0x0F);
