@@ -3,8 +3,10 @@ cumulative steps / tokens / hours its exports and model cards carry (tiny random
 test_training.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from test_training import dflash_settings, eagle_settings, train_losses, write_d
 from tiny import tiny_target
 from whiflash_core.drafters.checkpoint import load_state_dict
 from whiflash_core.training import dflash as TD
+from whiflash_core.training import cli as training_cli
 from whiflash_core.training import eagle3 as TE
 from whiflash_core.training.data import load_examples
 from whiflash_core.training.loop import load_checkpoint, train
@@ -162,6 +165,12 @@ def test_dflash_init_from_a_pruned_head(target, first_dir, second_dir, tmp_path)
     assert t2["cumulative_steps"] == 23 and t2["cumulative_tokens"] == c1["tokens"] + c2["tokens"]
     card = (Path(ship(str(run2), "dflash", str(tmp_path / "models2"), None)) / "README.md").read_text()
     assert "2 decoder layers, block size 5" in card and "the 16 rows of the drafter it continues" in card
+    # the card's command is one the CLI takes (settings without a flag, e.g. max_block_queries, left out)
+    command = re.search(r"- Command: `whiflash (train dflash [^`]*)`", card).group(1)
+    parser = argparse.ArgumentParser(prog="whiflash")
+    training_cli.add_parser(parser.add_subparsers())
+    parsed = parser.parse_args(shlex.split(command))
+    assert parsed.steps == 3 and parsed.init_from == str(shipped) and "max-block-queries" not in command
 
     # an EAGLE-3 run cannot start from a DFlash drafter
     with pytest.raises(SystemExit, match="dflash drafter"):

@@ -59,12 +59,17 @@ def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
     p.add_argument(meta.get("flag", f"--{name}"), dest=f.name, **kw)
 
 
+def flag_names(cls: type) -> set[str]:
+    """The fields of the dataclass `cls` that have a flag (all but those with cli=False)."""
+    return {f.name for f in fields(cls) if f.metadata.get("cli", True)}
+
+
 def add_arguments(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:
     """One flag per field of the dataclass `cls` (or per field named in `only`); fields with
     cli=False are left out."""
-    hints = get_type_hints(cls)
+    hints, flagged = get_type_hints(cls), flag_names(cls)
     for f in fields(cls):
-        if f.metadata.get("cli", True) and (only is None or f.name in only):
+        if f.name in flagged and (only is None or f.name in only):
             _add(p, f, _plain(hints[f.name]))
 
 

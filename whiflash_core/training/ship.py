@@ -22,11 +22,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from ..cli_args import flag_names
 from ..drafters.checkpoint import load_state_dict, save_state_dict
 from .data import build_draft_vocab, data_dirs, load_examples
+from .dflash import DFlashSettings
+from .eagle3 import Eagle3Settings
 from .init_from import totals
 from .logs import read_log
 from .loop import load_checkpoint, tokens_seen
+
+SETTINGS = {"eagle3": Eagle3Settings, "dflash": DFlashSettings}   # whose flags a card's command may use
 
 
 def data_table(data: str, excluded: set[str]) -> tuple[list[str], int, int]:
@@ -110,8 +115,11 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
     size_mb = os.path.getsize(os.path.join(dest, "model.safetensors")) / 1e6
     rows, n_samples, n_resp = data_table(s["data"], excluded)
     prior = ckpt.get("prior")
+    # the settings that have a flag (a setting without one, e.g. DFlash's max_block_queries, would
+    # make the card's command one the CLI refuses)
+    flagged = flag_names(SETTINGS[name])
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items()
-                     if k not in ("resume", "stop_at") and v not in (None, "", False, True))
+                     if k in flagged and k not in ("resume", "stop_at") and v not in (None, "", False, True))
 
     lines = [
         f"# {name} drafter for SmolLM2-135M-Instruct",
