@@ -325,8 +325,9 @@ static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_
     const uint8_t *wo = qw + o * nb * 256;
     const uint16_t *dwo = dw + o * nb * 16, *mwo = mw + o * nb * 16;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[LANE_ROWS];   // sized by the constant, not R: a variable-length array here is
-                             // allocated on the stack every block, its values stored and reloaded
+    // acc, i0 and i1 are sized by the constant, not by R: as variable-length arrays (i0 and i1
+    // allocated anew every block) GCC kept them on the stack, storing and reloading the sums
+    __m512 acc[LANE_ROWS];
     for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *wb = wo + b * 256;
