@@ -171,6 +171,10 @@ def test_dflash_init_from_a_pruned_head(target, first_dir, second_dir, tmp_path)
     training_cli.add_parser(parser.add_subparsers())
     parsed = parser.parse_args(shlex.split(command))
     assert parsed.steps == 3 and parsed.init_from == str(shipped) and "max-block-queries" not in command
+    # and back to the run's settings, 0/1-valued ints and switched-off bools included (layers=1, autocast=False)
+    run_settings = load_checkpoint(str(run2 / "dflash.ckpt.pt"))["settings"]
+    assert parsed.layers == 1 and parsed.autocast is False
+    assert all(getattr(parsed, k) == v for k, v in run_settings.items() if k in vars(parsed) and k != "resume")
 
     # an EAGLE-3 run cannot start from a DFlash drafter
     with pytest.raises(SystemExit, match="dflash drafter"):

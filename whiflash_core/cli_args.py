@@ -13,6 +13,7 @@ default is a required flag; a bool defaulting to False is a switch, one defaulti
 from __future__ import annotations
 
 import argparse
+import shlex
 import types
 from dataclasses import MISSING, Field, field, fields
 from typing import Literal, Any, Union, get_args, get_origin, get_type_hints
@@ -62,6 +63,26 @@ def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
 def flag_names(cls: type) -> set[str]:
     """The fields of the dataclass `cls` that have a flag (all but those with cli=False)."""
     return {f.name for f in fields(cls) if f.metadata.get("cli", True)}
+
+
+def command_flags(cls: type, values: dict[str, Any], skip: tuple[str, ...] = ()) -> str:
+    """The flags that set `values` (a `cls` as a dict, e.g. a checkpoint's settings), spelled as
+    add_arguments spells them, so the line parses back to the same values: a switch where a bool
+    differs from its default, `--name v1 v2` for a list; fields without a flag, those in `skip`
+    and None or empty values left out."""
+    flagged, out = flag_names(cls), []
+    for f in fields(cls):
+        v = values.get(f.name)
+        if f.name not in flagged or f.name in skip or v is None or v == "" or v == []:
+            continue
+        name = f.name.replace("_", "-")
+        if isinstance(v, bool):
+            if v != f.default:
+                out.append(f.metadata.get("flag", f"--no-{name}" if f.default else f"--{name}"))
+            continue
+        out.append(f.metadata.get("flag", f"--{name}"))
+        out += [shlex.quote(str(x)) for x in (v if isinstance(v, list) else [v])]
+    return " ".join(out)
 
 
 def add_arguments(p: argparse.ArgumentParser, cls: type, only: tuple[str, ...] | None = None) -> None:

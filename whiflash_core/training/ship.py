@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..cli_args import flag_names
+from ..cli_args import command_flags
 from ..drafters.checkpoint import load_state_dict, save_state_dict
 from .data import build_draft_vocab, data_dirs, load_examples
 from .dflash import DFlashSettings
@@ -115,11 +115,7 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
     size_mb = os.path.getsize(os.path.join(dest, "model.safetensors")) / 1e6
     rows, n_samples, n_resp = data_table(s["data"], excluded)
     prior = ckpt.get("prior")
-    # the settings that have a flag (a setting without one, e.g. DFlash's max_block_queries, would
-    # make the card's command one the CLI refuses)
-    flagged = flag_names(SETTINGS[name])
-    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in s.items()
-                     if k in flagged and k not in ("resume", "stop_at") and v not in (None, "", False, True))
+    flags = command_flags(SETTINGS[name], s, skip=("resume", "stop_at"))
 
     lines = [
         f"# {name} drafter for SmolLM2-135M-Instruct",
