@@ -14,7 +14,7 @@ import sys
 import time
 
 sys.path.insert(0, ".")
-from whiflash_core import acceptance, decode_ops, router  # noqa: E402
+from whiflash_core import acceptance, costs, decode_ops, router, router_mlp  # noqa: E402
 from whiflash_core.bench.workload import load_workload  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
 from whiflash_core.engine import GenerationRequest, SpeculationConfig  # noqa: E402
@@ -56,6 +56,13 @@ timed(router.Router, "predicted_rates", "    Router.predicted_rates")
 timed(router, "scalar_features", "      scalar_features")
 timed(acceptance.AcceptanceModel, "rates", "        AcceptanceModel.rates")
 timed(decode_ops._library(), "mlp2_at_f32", "      C mlp2_at_f32")
+timed(decode_ops.MLP2, "__call__", "      MLP2.__call__")
+timed(router_mlp.RouterMLP, "_folded", "      RouterMLP._folded")
+timed(router_mlp.RouterMLP, "rates_at", "      RouterMLP.rates_at")
+timed(costs.VerifyCost, "estimates", "    VerifyCost.estimates")
+timed(costs.CostModel, "attention", "    CostModel.attention")
+timed(costs.CostModel, "drafting_by_k", "    CostModel.drafting_by_k")
+timed(router, "expected_tokens_by_k", "    expected_tokens_by_k")
 timed(router.Router, "observe", "Router.observe (after the round)")
 
 rounds, router_s, total_s, tokens, t0 = 0, 0.0, 0.0, 0, time.time()

@@ -476,6 +476,7 @@ class Generation:
             return None
         route = self.router.take(pick if pick is not None else best(options.candidates, self.router.alpha),
                                  self.states, self._context())
+        options.clock.lap("router")   # choosing among the candidates is the router's work too
         return RoundPlan(options.n, route, min(route.draft_len, options.limit), options.clock)
 
     def _catch_up_round(self, plan: RoundPlan) -> None:
@@ -539,7 +540,9 @@ class Generation:
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
                   times=clock.times, fallback_from=plan.failed)
         r.decided, r.tokens, r.sources = self._emit(emitted, [route.drafter] * a + ["target"], r.index, logits)
-        self.router.observe(route, r)
+        t0 = time.perf_counter()
+        self.router.observe(route, r)   # the router learning from the round is router time too
+        clock.charge("router", time.perf_counter() - t0)
         self.tally.add(r)
         return r
 
