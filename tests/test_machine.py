@@ -99,7 +99,7 @@ def test_out_of_order_tables_are_spotted_and_read_from_below():
     assert envelope(quiet) == quiet
 
 
-def test_a_contended_verify_timing_is_timed_again_and_never_cached(tmp_path, monkeypatch, quiet_machine):
+def test_a_contended_verify_timing_is_timed_again_and_cached_from_its_best_times(tmp_path, monkeypatch, quiet_machine):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     target = tiny_target(torch.float32)
     quiet = ({1: 3e-3, 4: 5e-3}, {4: 5e-3, 8: 9e-3})
@@ -112,15 +112,18 @@ def test_a_contended_verify_timing_is_timed_again_and_never_cached(tmp_path, mon
 
     for f in tmp_path.glob("verify-*.json"):
         f.unlink()
-    # interference does not repeat itself: every attempt out of order, each differently
+    # every attempt out of order, each differently (no two agree): each row count's best over the
+    # attempts, read from below, cached (a noisy VM's starts would otherwise each time it again)
     attempts = iter([({1: 25e-3, 4: 17e-3}, contended[1]), ({1: 40e-3, 4: 19e-3}, contended[1]),
-                     ({1: 31e-3, 4: 22e-3}, contended[1])])
+                     ({1: 31e-3, 4: 16e-3}, contended[1])])
     calls = []
     monkeypatch.setattr(machine, "_time_verify", lambda *a: calls.append(1) or next(attempts))
     table, shared = verify_tables(target)
     assert len(calls) == machine.MEASURE_ATTEMPTS
-    assert table == {1: 22e-3, 4: 22e-3} and shared == contended[1]   # the last attempt, read from below
-    assert not list(tmp_path.glob("verify-*.json"))   # the next start times it again
+    assert table == {1: 16e-3, 4: 16e-3} and shared == contended[1]   # T(1) 25 ms, T(4) 16 ms: enveloped
+    (cached,) = tmp_path.glob("verify-*.json")
+    assert verify_tables(target) == (table, shared) and len(calls) == machine.MEASURE_ATTEMPTS   # read back
+    cached.unlink()
     # a contended table cached by an older build is not trusted either
     (tmp_path / "verify-old.json").write_text("{}")
     monkeypatch.setattr(machine, "_cache_path", lambda key, kind="formats": str(tmp_path / "verify-old.json"))

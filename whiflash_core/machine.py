@@ -58,6 +58,10 @@ LIGHT_PREFILL_ROWS = PREFILL_ROWS[:4]  # light formats lose to dense GEMMs well 
 # agent turn's new tokens (tens of rows) where a dense GEMM would cost more
 CHUNKED_FORMATS = ("q4_1",)
 WARMUP_FORWARDS = 20  # untimed one-row forwards before the verify table (a cold process runs slow)
+# a row count of the verify tables is timed `reps` times, or fewer (two at least) once its runs add
+# up to this: a float32 verify at 1 thread runs 50-360 ms a forward, and five of each of the 23
+# row counts took ~30 s an attempt; a Q4_1 one (3-20 ms) still gets all five
+TIMING_BUDGET_S = 0.3
 CONTEXT = 256  # cached positions the verify-cost table's forwards attend to (verify_table)
 # A verify's attention reads every cached position's K/V, so its time grows with the context: rounds
 # at 2k positions of an agent conversation ran 3.5-4.7x the verify table's times at CONTEXT (rounds
@@ -78,9 +82,12 @@ VERIFY_CACHE_VERSION = 6
 # A forward's time only grows with its rows, so a table where fewer rows cost clearly more than
 # more rows was timed while other work ran (seen: a verify table cached beside a training job read
 # T(1) = 25.0 ms > T(4) = 17.2 ms; quiet, 2.94 and 5.43 ms). Such a table is timed again, up to
-# MEASURE_ATTEMPTS times in all; one still out of order is used as its lower envelope and not cached,
-# so the next start times it again. The slack is relative plus absolute: a tiny model's forwards
-# differ by noise alone.
+# MEASURE_ATTEMPTS times in all. One still out of order after all of them is taken as each row
+# count's best over the attempts (interference only adds time), read from below, and cached: it
+# was once not cached, and on a VM whose attempts differ by 20-40 % (a float32 verify at 1 thread,
+# T(1) 73, 73 and 51 ms, T(12) > T(16) in each: the GEMM library's shape, see REPEAT_SLACK) every
+# start then spent three 30-s attempts on a table it threw away. The slack is relative plus
+# absolute: a tiny model's forwards differ by noise alone.
 ORDER_SLACK = (1.15, 1e-3)
 MEASURE_ATTEMPTS = 3
 # ... unless the CPU itself runs fewer rows slower: on an AMX Xeon (2 cores, 1 thread) a float32 verify
@@ -222,32 +229,35 @@ def quiet_now(seconds: float = 0.25) -> bool:
     return not contended(others_load(lambda: time.sleep(seconds))[1])
 
 
-def _timed_in_order(time_once, what: str) -> tuple[dict, float | None, bool]:
+def _timed_in_order(time_once, what: str) -> tuple[dict, float | None]:
     """time_once() -> {name: {rows: seconds}}, timed until no table is out of order (MEASURE_ATTEMPTS
     times at most), and not again once other work competed for the CPUs (`contended`: that work is
-    rarely gone a minute later). Returns (tables, the other work's cores if it competed else None,
-    worth caching?): tables out of order the same way in two attempts in a row are the CPU's own
-    shape (`reproduced`) and come as timed, the better of the two; tables still out of order
-    otherwise come as their lower envelopes and are not worth caching; contended ones are cached
+    rarely gone a minute later). Returns (tables, the other work's cores if it competed else None),
+    for the caller to cache with `_marks`: tables out of order the same way in two attempts in a row
+    are the CPU's own shape (`reproduced`) and come as timed, the better of the two; tables still
+    out of order after every attempt come as the lower envelope of each row count's best over the
+    attempts (see MEASURE_ATTEMPTS); contended ones come as timed, read from below, and are cached
     marked so (a later start that finds the machine quiet times them again, a busy one starts at
     once with them: `_cached`)."""
-    previous = None
+    previous, best = None, None
     for _ in range(MEASURE_ATTEMPTS):
         tables, others = others_load(time_once)
         if contended(others):
             print(f"whiflash: the {what} timings ran beside other work ({others:.1f} cores of it on this "
                   "process's CPUs); cached as such, timed again at the next start that finds the machine "
                   "quiet", file=sys.stderr, flush=True)
-            return {name: envelope(t) for name, t in tables.items()}, others, True
+            return {name: envelope(t) for name, t in tables.items()}, others
         if not any(map(out_of_order, tables.values())):
-            return tables, None, True
+            return tables, None
         if previous is not None and previous.keys() == tables.keys() and all(
                 reproduced(previous[name], t) for name, t in tables.items()):
-            return {name: {r: min(v, previous[name][r]) for r, v in t.items()} for name, t in tables.items()}, None, True
+            return {name: {r: min(v, previous[name][r]) for r, v in t.items()} for name, t in tables.items()}, None
         previous = tables
-    print(f"whiflash: the {what} timings stayed out of order in {MEASURE_ATTEMPTS} attempts (is other work "
-          "running?); using their lower envelope, not caching them", file=sys.stderr, flush=True)
-    return {name: envelope(t) for name, t in tables.items()}, None, False
+        best = tables if best is None else {name: {r: min(v, best.get(name, t).get(r, v)) for r, v in t.items()}
+                                            for name, t in tables.items()}
+    print(f"whiflash: the {what} timings stayed out of order in {MEASURE_ATTEMPTS} attempts, each differently; "
+          "using the lower envelope of their best times (cached)", file=sys.stderr, flush=True)
+    return {name: envelope(t) for name, t in best.items()}, None
 
 
 def _cached(path: str, use_cache: bool) -> dict | None:
@@ -432,7 +442,7 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
     started = time.perf_counter()
     candidates = ([(d, w) for d in ("bfloat16", "float32") for w in light_formats]
                   + [("bfloat16", "dense"), ("float32", "dense")])
-    table, others, worth = _timed_in_order(lambda: time_formats(cfg, candidates, heads=head_kinds()), "format")
+    table, others = _timed_in_order(lambda: time_formats(cfg, candidates, heads=head_kinds()), "format")
     if verbose:
         for name, t in table.items():
             print(f"  {name}: " + " ".join(f"T({r})={1e3 * v:.1f}ms" for r, v in t.items()), file=sys.stderr,
@@ -443,8 +453,7 @@ def measure(cfg, light_formats: tuple[str, ...] = ("int8",), use_cache: bool = T
               "table": {k: {str(r): round(t, 6) for r, t in v.items()} for k, v in table.items()},
               "formats": dataclasses.asdict(formats)}
     result.update(_marks(table.values(), others))
-    if worth:
-        _write_json(path, result)
+    _write_json(path, result)
     return result
 
 
@@ -488,14 +497,13 @@ def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
         tables = ({int(r): t for r, t in saved["table"].items()}, {int(r): t for r, t in saved["shared"].items()})
         if _trusted(saved, tables):
             return tables
-    tables, others, worth = _timed_in_order(
+    tables, others = _timed_in_order(
         lambda: dict(zip(("table", "shared"), _time_verify(target, taps, reps))), "verify")
     best, shared = tables["table"], tables["shared"]
-    if worth:
-        _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,
-                           "table": {str(r): round(t, 6) for r, t in best.items()},
-                           "shared": {str(r): round(t, 6) for r, t in shared.items()},
-                           **_marks((best, shared), others)})
+    _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt, "context": CONTEXT,
+                       "table": {str(r): round(t, 6) for r, t in best.items()},
+                       "shared": {str(r): round(t, 6) for r, t in shared.items()},
+                       **_marks((best, shared), others)})
     return best, shared
 
 
@@ -511,8 +519,11 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
     best: dict[int, float] = {}
     shared: dict[int, float] = {}
     with torch.inference_mode():
-        for cache in caches:
-            target(ids[:CONTEXT], cache, logits_from=CONTEXT - 1)
+        target(ids[:CONTEXT], caches[0], logits_from=CONTEXT - 1)
+        for cache in caches[1:]:   # the same context copied (17 prefills took ~8 s in float32 at 1 thread)
+            cache.k.copy_(caches[0].k)
+            cache.v.copy_(caches[0].v)
+            cache.length = CONTEXT
         # Warm up, then one row count at a time, as a decode loop runs them. A fresh process's
         # first ~10 forwards run slow (one row: 5.7 ms first, 3.1 ms after a dozen), and with the
         # counts interleaved (and the shared forwards between) each call was cold again: the table
@@ -523,26 +534,30 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
                       WARMUP_FORWARDS, sync)
         for r in VERIFY_ROWS:
             best[r] = _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + r], caches[0], taps), caches[:1], CONTEXT,
-                                    reps, sync)
+                                    reps, sync, TIMING_BUDGET_S)
         for r in SHARED_ROWS:   # likewise one total at a time
             sizes = [SHARED_SEGMENT_ROWS] * (r // SHARED_SEGMENT_ROWS) + ([r % SHARED_SEGMENT_ROWS] if r % SHARED_SEGMENT_ROWS else [])
             rows = [ids[CONTEXT:CONTEXT + n] for n in sizes]
             shared[r] = _best_seconds(lambda: target.forward_many(rows, caches[:len(rows)], taps), caches[:len(rows)],
-                                      CONTEXT, reps, sync)
+                                      CONTEXT, reps, sync, TIMING_BUDGET_S)
     return best, shared
 
 
-def _best_seconds(forward, caches, length: int, reps: int, sync) -> float:
+def _best_seconds(forward, caches, length: int, reps: int, sync, budget: float | None = None) -> float:
     """The best of `reps` timings of forward() (synced), each followed by rolling `caches` back to
-    `length` cached positions (so every run starts from the same context)."""
-    best = float("inf")
-    for _ in range(reps):
+    `length` cached positions (so every run starts from the same context); with a `budget`, the
+    best of fewer (at least two) once the timed runs add up to it."""
+    best, spent = float("inf"), 0.0
+    for i in range(reps):
         t0 = time.perf_counter()
         forward()
         sync()
-        best = min(best, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        best, spent = min(best, seconds), spent + seconds
         for cache in caches:
             cache.rollback(length)
+        if budget is not None and i >= 1 and spent >= budget:
+            break
     return best
 
 
@@ -559,12 +574,11 @@ def context_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, re
         table = {int(r): t for r, t in saved["per_position"].items()}
         if _trusted(saved, (table,)):
             return table
-    tables, others, worth = _timed_in_order(lambda: {"per_position": _time_context(target, taps, reps)}, "context")
+    tables, others = _timed_in_order(lambda: {"per_position": _time_context(target, taps, reps)}, "context")
     table = tables["per_position"]
-    if worth:
-        _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt,
-                           "contexts": [CONTEXT, LONG_CONTEXT],
-                           "per_position": {str(r): t for r, t in table.items()}, **_marks((table,), others)})
+    _write_json(path, {"machine": key["machine"], "shape": shape, "formats": fmt,
+                       "contexts": [CONTEXT, LONG_CONTEXT],
+                       "per_position": {str(r): t for r, t in table.items()}, **_marks((table,), others)})
     return table
 
 
