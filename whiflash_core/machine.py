@@ -461,8 +461,8 @@ def verify_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, rep
     """{rows: seconds} of a verify forward of the loaded target: `rows` new tokens after CONTEXT
     cached ones, logits for every row and the drafters' `taps`, as the engine runs it (VERIFY_ROWS);
     the router's verify-cost table (costs.py). Timed on the target itself, so in its loaded format
-    (weights, activations, any prefill twin); best of `reps` (fewer for slow forwards: TIMING_BUDGET_S). Cached per machine, model shape and
-    format, like `measure`."""
+    (weights, activations, any prefill twin); best of `reps` (of fewer for slow forwards:
+    TIMING_BUDGET_S). Cached per machine, model shape and format, like `measure`."""
     return verify_tables(target, taps, use_cache, reps)[0]
 
 
