@@ -35,17 +35,19 @@ def _plain(tp: Any) -> Any:
     return tp
 
 
+def _flag(f: Field) -> str:
+    """The flag of field f: its own, else --name (--no-name for a bool that defaults to True)."""
+    name = f.name.replace("_", "-")
+    return f.metadata.get("flag", f"--no-{name}" if f.default is True else f"--{name}")
+
+
 def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
     meta = f.metadata
-    name = f.name.replace("_", "-")
     kw: dict[str, Any] = {"help": argparse.SUPPRESS if meta.get("hidden") else meta.get("help")}
     kw.update({k: meta[k] for k in ("choices", "metavar") if k in meta})
     required = f.default is MISSING and f.default_factory is MISSING
     if tp is bool:
-        if f.default:
-            p.add_argument(meta.get("flag", f"--no-{name}"), dest=f.name, action="store_false", **kw)
-        else:
-            p.add_argument(meta.get("flag", f"--{name}"), dest=f.name, action="store_true", **kw)
+        p.add_argument(_flag(f), dest=f.name, action="store_false" if f.default else "store_true", **kw)
         return
     if get_origin(tp) is list:
         kw.update(nargs="+", type=get_args(tp)[0])
@@ -57,7 +59,7 @@ def _add(p: argparse.ArgumentParser, f: Field, tp: Any) -> None:
         kw["required"] = True
     else:
         kw["default"] = f.default_factory() if f.default is MISSING else f.default
-    p.add_argument(meta.get("flag", f"--{name}"), dest=f.name, **kw)
+    p.add_argument(_flag(f), dest=f.name, **kw)
 
 
 def flag_names(cls: type) -> set[str]:
@@ -75,12 +77,11 @@ def command_flags(cls: type, values: dict[str, Any], skip: tuple[str, ...] = ())
         v = values.get(f.name)
         if f.name not in flagged or f.name in skip or v is None or v == "" or v == []:
             continue
-        name = f.name.replace("_", "-")
         if isinstance(v, bool):
             if v != f.default:
-                out.append(f.metadata.get("flag", f"--no-{name}" if f.default else f"--{name}"))
+                out.append(_flag(f))
             continue
-        out.append(f.metadata.get("flag", f"--{name}"))
+        out.append(_flag(f))
         out += [shlex.quote(str(x)) for x in (v if isinstance(v, list) else [v])]
     return " ".join(out)
 

@@ -402,11 +402,9 @@ class Generation:
         # copied on every core, as a forward of many rows runs (measured, 1 -> 2 threads: 0.80 ->
         # 0.41 ms per 11.5 MB in cache)
         with self.engine.threads_for(m):
-            self.cache.k[:, :, :m] = entry.k[:, :, :m]
-            self.cache.v[:, :, :m] = entry.v[:, :, :m]
+            self.cache.load_prefix(entry.k, entry.v, m)
             if self.tap_layers:
                 self.taps[:m] = entry.taps[:m]
-        self.cache.length = m
         self.cache.lineage, self.cache.lineage_len = entry.lineage, min(entry.lineage_len, m)
         # the drafters' caches over the prefix, as far as the prefix determines them
         for name, (k, v) in entry.drafters.items():

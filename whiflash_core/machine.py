@@ -251,13 +251,17 @@ def _timed_in_order(time_once, what: str) -> tuple[dict, float | None]:
             return tables, None
         if previous is not None and previous.keys() == tables.keys() and all(
                 reproduced(previous[name], t) for name, t in tables.items()):
-            return {name: {r: min(v, previous[name][r]) for r, v in t.items()} for name, t in tables.items()}, None
+            return _lower(previous, tables), None
         previous = tables
-        best = tables if best is None else {name: {r: min(v, best.get(name, t).get(r, v)) for r, v in t.items()}
-                                            for name, t in tables.items()}
+        best = tables if best is None else _lower(best, tables)
     print(f"whiflash: the {what} timings stayed out of order in {MEASURE_ATTEMPTS} attempts, each differently; "
           "using the lower envelope of their best times (cached)", file=sys.stderr, flush=True)
     return {name: envelope(t) for name, t in best.items()}, None
+
+
+def _lower(a: dict, b: dict) -> dict:
+    """Two timings of the same tables, each row count at the lower (interference only adds time)."""
+    return {name: {r: min(v, a[name][r]) for r, v in t.items()} for name, t in b.items()}
 
 
 def _cached(path: str, use_cache: bool) -> dict | None:
@@ -521,9 +525,7 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
     with torch.inference_mode():
         target(ids[:CONTEXT], caches[0], logits_from=CONTEXT - 1)
         for cache in caches[1:]:   # the same context copied (17 prefills took ~8 s in float32 at 1 thread)
-            cache.k.copy_(caches[0].k)
-            cache.v.copy_(caches[0].v)
-            cache.length = CONTEXT
+            cache.load_prefix(caches[0].k, caches[0].v, CONTEXT)
         # Warm up, then one row count at a time, as a decode loop runs them. A fresh process's
         # first ~10 forwards run slow (one row: 5.7 ms first, 3.1 ms after a dozen), and with the
         # counts interleaved (and the shared forwards between) each call was cold again: the table

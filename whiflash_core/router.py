@@ -399,11 +399,9 @@ class Router:
         its g and t (argmax g / t ** alpha picks among them: `best`, or `choose_shared`)."""
         longest = min(self.longest_draft, inputs.limit)
         verify = self.costs.verify.estimates(longest + 1)
-        # for a shared step: a verify of r rows spends per_row[r] * context on the request's context
-        per_row, context = self.costs.per_position_by_rows(longest + 1), inputs.context or 0
+        attention = self.costs.attention(longest + 1, inputs.context or 0)   # for a shared step
         plain = self.costs.router.value
-        candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain,
-                                attention=per_row[1] * context)]
+        candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain, attention=attention[1])]
         predicted = self.predicted_rates(inputs)
         for name in self.drafters:
             k_max = min(self.route_lens[name], inputs.limit)
@@ -432,8 +430,9 @@ class Router:
             drafting = self.costs.drafting_by_k(name, k_max, inputs.backlogs[name])
             for k in range(1, k_max + 1):
                 d = plain + drafting[k]
-                candidates.append(Candidate(name, k, gains[k], max(d + verify[k + 1], MIN_SECONDS), d, where,
-                                            raw[k] - 1.0 if raw is not None else None, per_row[k + 1] * context))
+                candidates.append(Candidate(name, k, gains[k], max(d + verify[k + 1], MIN_SECONDS), d,
+                                            where, raw[k] - 1.0 if raw is not None else None,
+                                            attention=attention[k + 1]))
         return candidates
 
     def predicted_rates(self, inputs: RoundInputs) -> dict[str, list[float]]:

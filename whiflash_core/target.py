@@ -109,6 +109,13 @@ class KVCache:
         assert 0 <= length <= self.length, (length, self.length)
         self.length = length
 
+    def load_prefix(self, k: torch.Tensor, v: torch.Tensor, length: int) -> None:
+        """Positions 0..length-1 copied from another cache's k, v ([layers, kv_heads, >= length,
+        head_dim]); the cache then holds exactly them. Its lineage is the caller's to set."""
+        self.k[:, :, :length] = k[:, :, :length]
+        self.v[:, :, :length] = v[:, :, :length]
+        self.length = length
+
 
 class Attention(nn.Module):
     native_ops = False   # decode_ops.use_for: few bf16 rows through kernels/decode_ops.c
