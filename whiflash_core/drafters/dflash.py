@@ -127,6 +127,11 @@ class DFlashState(DrafterState):
 
 class DFlashDrafter(Drafter, nn.Module):
     name = "dflash"
+    # beside a q4_1 target: Q4_1 weights through the C matmul (quant.Q41Linear). PyTorch's int8
+    # weight-only matmul took 3-4.5x longer for a block's 8 rows (gate 576 -> 1536: 259 vs 85 us,
+    # 1 thread); Spec-Bench, 3 a category: draft 4.67 -> 2.12 ms a round, catch-up 0.80 -> 0.61,
+    # acceptance 1.483 -> 1.479 (bench/results/dflash_weights_{int8,q4_1}_xeon.json)
+    q4_1_weights = "q4_1"
 
     def __init__(self, cfg: DFlashConfig, embed_tokens: nn.Embedding, target_lm_head: nn.Linear):
         nn.Module.__init__(self)
