@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# DFlash alone at each block (`--block-size`, a prefix of the trained block) against plain decode:
+# DFlash alone at each block (`--block-size`: the first slots of the trained block) against plain decode:
 # Spec-Bench 3 prompts a category, 128 tokens, one thread, the default format (--weights auto:
 # `whiflash bench` alone runs dense), each block in its own run with its own plain baseline.
 #   bench/dflash_block_sweep.sh [DRAFTERS_DIR] [TAG] [CPU]

@@ -214,3 +214,23 @@ def test_large_forwards_alone_run_on_the_large_thread_count(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert {threads for _, threads in seen} == {before}
+
+
+def test_a_short_dflash_draft_is_the_prefix_of_its_whole_block():
+    """A DFlash block attends to itself both ways, so a block of k + 1 slots predicts otherwise
+    than the first k slots of the trained block: a draft of k tokens must be the whole block's
+    first k (the router prices block prefixes, and its labels are taken at the whole block)."""
+    target = tiny_target()
+    drafter = tiny_dflash(target, block=5)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (40,), generator=gen)
+    taps = torch.randn(40, len(drafter.tap_layers), target.cfg.hidden_size, generator=gen, dtype=target.dtype)
+    for n in (6, 17, 30):
+        ctx = Context(ids, n, taps, drafter.tap_layers)
+        state = drafter.new_state(40)
+        # sampled drafts carry the proposal distributions q [k, V]: equal floats, not just equal argmaxes
+        sampling = DraftSampling(temperature=1.0)
+        whole = drafter.propose(state, ctx, drafter.max_draft_tokens, sampling).probs
+        assert whole.shape[0] == 4
+        for k in range(1, 4):
+            assert torch.equal(drafter.propose(state, ctx, k, sampling).probs, whole[:k]), (n, k)

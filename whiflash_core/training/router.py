@@ -25,9 +25,9 @@
    (`--costs`): tokens per round, estimated tokens/s, share of rounds per drafter and the regret
    against an oracle that knows each drafter's outcome (the best realised g / t ** alpha).
 
-Replay caveat: a DFlash block shorter than the trained one is a different forward (the block is
-bidirectional); labels are taken at the full block and a shorter block is assumed to propose its
-prefix, as the router's g itself assumes.
+DFlash's labels are taken at its full block; a shorter DFlash draft is that block's prefix
+(DFlashDrafter.propose_many drafts the whole trained block and keeps the first k slots), so the
+labels hold for every draft length, as the router's g assumes.
 """
 from __future__ import annotations
 
