@@ -146,10 +146,11 @@ def test_dflash_init_from_a_pruned_head(target, first_dir, second_dir, tmp_path)
           target=target, quiet=True)
     shipped = Path(ship(str(run1), "dflash", str(tmp_path / "models"), None, draft_vocab=16))
 
-    # the pruned 16-row head, 2 layers and block 5 come from the shipped drafter, not the flags
+    # the pruned 16-row head, 2 layers and (without --block-size) block 5 come from the shipped
+    # drafter, not the flags
     zero = tmp_path / "zero"
     both = f"{first_dir},{second_dir}"
-    train(TD.build_task, "dflash", dflash_settings(both, zero, steps=0, init_from=str(shipped)),
+    train(TD.build_task, "dflash", dflash_settings(both, zero, steps=0, init_from=str(shipped), block_size=None),
           target=target, quiet=True)
     w0, ws = weights(zero / "dflash"), weights(shipped)
     assert w0.keys() == ws.keys() and all(torch.equal(w0[k], ws[k]) for k in ws)
@@ -157,14 +158,15 @@ def test_dflash_init_from_a_pruned_head(target, first_dir, second_dir, tmp_path)
     raw = json.loads((zero / "dflash" / "config.json").read_text())
     assert raw["block_size"] == 5 and raw["num_hidden_layers"] == 2 and raw["draft_vocab_size"] == 16
 
+    # a block size given goes on from the same weights at that block (its weights do not depend on it)
     run2 = tmp_path / "run2"
-    train(TD.build_task, "dflash", dflash_settings(both, run2, steps=3, init_from=str(shipped)),
+    train(TD.build_task, "dflash", dflash_settings(both, run2, steps=3, init_from=str(shipped), block_size=3),
           target=target, quiet=True)
     c1, c2 = load_checkpoint(str(run1 / "dflash.ckpt.pt")), load_checkpoint(str(run2 / "dflash.ckpt.pt"))
     t2 = training_block(run2 / "dflash")
     assert t2["cumulative_steps"] == 23 and t2["cumulative_tokens"] == c1["tokens"] + c2["tokens"]
     card = (Path(ship(str(run2), "dflash", str(tmp_path / "models2"), None)) / "README.md").read_text()
-    assert "2 decoder layers, block size 5" in card and "the 16 rows of the drafter it continues" in card
+    assert "2 decoder layers, block size 3" in card and "the 16 rows of the drafter it continues" in card
     # the card's command is one the CLI takes (settings without a flag, e.g. max_block_queries, left out)
     command = re.search(r"- Command: `whiflash (train dflash [^`]*)`", card).group(1)
     parser = argparse.ArgumentParser(prog="whiflash")

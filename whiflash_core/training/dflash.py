@@ -34,12 +34,15 @@ from ..cli_args import add_arguments, setting
 from .loop import TrainSettings, train
 from .task import DrafterTask, Item, chain_metrics, init_head_norm, slot_counts
 
+DEFAULT_BLOCK_SIZE = 8   # a fresh drafter's block (z-lab trains 16 or 10; 8 fits a CPU verify)
+
 
 @dataclass
 class DFlashSettings(TrainSettings):
     lr: float = setting(6e-4, "peak learning rate")
     clip: float = setting(1.0, "gradient-norm clip")
-    block_size: int = setting(8, "block length b (b-1 drafts per forward)")
+    block_size: int | None = setting(None, "block length b (b-1 drafts per forward); default: an --init-from "
+                                     "drafter's, else 8 (weights do not depend on it: a run may change it)")
     layers: int = setting(2, "drafter decoder layers")
     # paper: 7 at b=16, 5 at b=10, 4 at b=8
     gamma: float = setting(4.0, "slot j's loss weight is exp(-(j-1)/gamma)")
@@ -182,10 +185,10 @@ def build_task(target: TargetModel, vocab_ids: torch.Tensor, s: DFlashSettings,
         cfg = DFlashConfig(
             hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=s.layers,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-            block_size=s.block_size, mask_token_id=mask, target_layer_ids=ids, num_target_layers=c.num_layers,
+            block_size=s.block_size or DEFAULT_BLOCK_SIZE, mask_token_id=mask, target_layer_ids=ids, num_target_layers=c.num_layers,
             rms_norm_eps=c.rms_norm_eps, draft_vocab_size=len(vocab_ids) if reduced else None)
-    else:
-        cfg = DFlashConfig(**config)
+    else:   # a checkpoint's or an --init-from drafter's config; --block-size may change the block
+        cfg = DFlashConfig(**{**config, **({"block_size": s.block_size} if s.block_size else {})})
     drafter = DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
     if config is None:
         init_linear_(drafter)
