@@ -240,8 +240,8 @@ class DFlashDrafter(Drafter, nn.Module):
         A draft of k < B - 1 tokens is the first k slots of a whole block B (the trained size), not
         a block of k + 1: the block attends to itself both ways, so every slot's prediction depends
         on how many mask slots follow it, and a block shorter than the trained one is text the
-        drafter never saw (Spec-Bench, 1 a category: acceptance 1.24 at k = 2 from a block of 3
-        against 1.55 at k = 7)."""
+        drafter never saw (Spec-Bench, 3 a category, k = 2: acceptance 1.23 from a block of 3, 1.43
+        from the first two slots of the block of 8; bench/results/dflash_block3_{shipped,prefix}.json)."""
         for state, ctx in zip(states, ctxs):
             self.catch_up(state, ctx)
         counts = [min(k, self.max_draft_tokens) for k in num_tokens]

@@ -34,7 +34,9 @@ from ..cli_args import add_arguments, setting
 from .loop import TrainSettings, train
 from .task import DrafterTask, Item, chain_metrics, init_head_norm, slot_counts
 
-DEFAULT_BLOCK_SIZE = 8   # a fresh drafter's block (z-lab trains 16 or 10; 8 fits a CPU verify)
+# a fresh drafter's block (z-lab trains 16 or 10; on a CPU each slot past the first few costs a
+# verify row: the shipped drafter went on at 4, models/smollm2-135m-instruct/dflash/README.md)
+DEFAULT_BLOCK_SIZE = 8
 
 
 @dataclass
@@ -185,7 +187,8 @@ def build_task(target: TargetModel, vocab_ids: torch.Tensor, s: DFlashSettings,
         cfg = DFlashConfig(
             hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_layers=s.layers,
             num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, vocab_size=c.vocab_size,
-            block_size=s.block_size or DEFAULT_BLOCK_SIZE, mask_token_id=mask, target_layer_ids=ids, num_target_layers=c.num_layers,
+            block_size=s.block_size or DEFAULT_BLOCK_SIZE, mask_token_id=mask, target_layer_ids=ids,
+            num_target_layers=c.num_layers,
             rms_norm_eps=c.rms_norm_eps, draft_vocab_size=len(vocab_ids) if reduced else None)
     else:   # a checkpoint's or an --init-from drafter's config; --block-size may change the block
         cfg = DFlashConfig(**{**config, **({"block_size": s.block_size} if s.block_size else {})})
