@@ -1,7 +1,10 @@
 """Two versions of a drafter against each other in one process: does a new one pay in tokens/s?
 
     .venv/bin/python bench/drafter_ab.py --b /tmp/cand [--a models/smollm2-135m-instruct] \
-        [--name eagle3] [--methods eagle3,whiflash] --limit 2 --threads 1 --out FILE
+        [--name eagle3] [--methods eagle3,whiflash] [--b-format int8] --limit 2 --threads 1 --out FILE
+
+`--b-format` loads B's drafter with other weights beside a q4_1 target than it is served with
+(Drafter.q4_1_weights: "q4_1" or "int8"); with `--b` the same directory as A, it compares formats.
 
 Acceptance alone does not say it: a wider head or a deeper drafter accepts more and drafts
 slower. One engine (one target, one measured cost model) decodes every prompt with drafter
@@ -23,7 +26,7 @@ from router_ab import decode, totals, write_result  # noqa: E402
 
 from whiflash_core.bench.workload import load_workload  # noqa: E402
 from whiflash_core.chat import encode_chat  # noqa: E402
-from whiflash_core.loading import SHIPPED_DRAFTERS, load_engine  # noqa: E402
+from whiflash_core.loading import DRAFTER_KINDS, SHIPPED_DRAFTERS, load_engine  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -37,10 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--weights", default="auto")
+    p.add_argument("--b-format", choices=("q4_1", "int8"), default=None,
+                   help="B's drafter weights beside a q4_1 target (default: as served)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
 
     engine = load_engine(None, args.a, "bfloat16", threads=args.threads, weights=args.weights)
+    if args.b_format:   # load_engine reads the class attribute when it quantizes the drafter
+        DRAFTER_KINDS[args.name].q4_1_weights = args.b_format
     other = load_engine(None, args.b, "bfloat16", threads=args.threads, weights=args.weights, measure_costs=False)
     versions = {"a": engine.drafters[args.name], "b": other.drafters[args.name]}   # each quantized as served
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

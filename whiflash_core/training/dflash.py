@@ -191,7 +191,9 @@ def build_task(target: TargetModel, vocab_ids: torch.Tensor, s: DFlashSettings,
             num_target_layers=c.num_layers,
             rms_norm_eps=c.rms_norm_eps, draft_vocab_size=len(vocab_ids) if reduced else None)
     else:   # a checkpoint's or an --init-from drafter's config; --block-size may change the block
-        cfg = DFlashConfig(**{**config, **({"block_size": s.block_size} if s.block_size else {})})
+        cfg = DFlashConfig(**config)
+        if s.block_size:
+            cfg.block_size = s.block_size
     drafter = DFlashDrafter(cfg, target.embed_tokens, target.lm_head)
     if config is None:
         init_linear_(drafter)
