@@ -46,11 +46,12 @@ def test_the_kernel_builds_where_a_compiler_and_avx2_exist():
 @needs_kernel
 @pytest.mark.parametrize("k", [64, 96, 192, 448, 576, 1536])  # every mix of groups of 8, 4 and 2 blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_computes_the_q4_1_times_q8_function(k, dtype):
+@pytest.mark.parametrize("n", [52, 48])   # blocks in lanes; outputs in lanes (n % 16 == 0)
+def test_kernel_computes_the_q4_1_times_q8_function(k, dtype, n):
     """Against the same function in float64 (activations quantized per block of 32 to int8, exact
     integer dot products, then the scales): equal up to float32 rounding, for 1 to 9 rows (tiles of
-    4 and 2 rows and the single-row path) and for output counts that are not a multiple of a tile."""
-    n = 52
+    4 and 2 rows, the single-row path, several passes over a group of outputs) in both layouts."""
+    assert q4_1_kernel.outputs_in_lanes(n) == (n % 16 == 0)
     q, d, m = _blocks(n, k, seed=k)
     qw, dw, mw = q4_1_kernel.pack(q, d, m)
     for rows in (1, 2, 3, 4, 5, 9):
@@ -76,6 +77,41 @@ def test_a_zero_row_stays_zero_and_rows_do_not_mix():
     assert torch.equal(both[1], torch.zeros(40))
     for r in range(4):  # a row's result does not depend on the rows beside it
         assert torch.equal(both[r], q4_1_kernel.matmul(x[r:r + 1], qw, dw, mw)[0])
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
+    except (OSError, StopIteration):
+        return set()
+
+
+@needs_kernel
+def test_the_avx2_and_vnni_builds_give_the_same_bits(tmp_path):
+    """Outputs in lanes, the AVX2 class (maddubs, two 8-output halves of a group), AVX-VNNI (256-bit
+    dpbusd) and AVX-512 VNNI (16 outputs a vector) run the same integer sums and the same float
+    steps in the same order: a target quantized to Q4_1 gives a user the same numbers on a laptop
+    and on a server. bench/q4_1_kernel_bench.c built for each class this CPU can run hashes the
+    outputs of 1 to 16 rows (random blocks, the same on every build)."""
+    flags = _cpu_flags()
+    classes = ["haswell"] + [a for a, need in (("alderlake", "avx_vnni"), ("icelake-server", "avx512_vnni"))
+                             if need in flags]
+    if len(classes) < 2:
+        pytest.skip("this CPU runs only the AVX2 class: nothing to compare it with")
+    import os
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hashes = {}
+    for arch in classes:
+        exe = tmp_path / arch
+        subprocess.run([native.compiler(), "-O3", f"-march={arch}", "-fopenmp", "-I", root,
+                        os.path.join(root, "bench", "q4_1_kernel_bench.c"), "-o", str(exe), "-lm"], check=True)
+        runs = [subprocess.run([str(exe), *shape, "1"], check=True, capture_output=True, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout for shape in (("64", "576"), ("32", "1536"))]
+        hashes[arch] = [line.split(":")[0] + line.rsplit(" ", 1)[1] for out in runs for line in out.splitlines()]
+    assert len(hashes["haswell"]) == 10
+    assert all(h == hashes["haswell"] for h in hashes.values()), hashes
 
 
 @needs_kernel

@@ -76,8 +76,8 @@ def bf16_calls() -> int:
 
 
 def outputs_in_lanes(n: int) -> bool:
-    """Whether this machine's kernel takes N = n output rows packed with outputs in lanes (AVX-512
-    VNNI and n % 16 == 0, kernels/q4_1.c) rather than blocks in lanes."""
+    """Whether this machine's kernel takes N = n output rows packed with outputs in lanes (n % 16 ==
+    0, on every class the kernel builds for: kernels/q4_1.c) rather than blocks in lanes."""
     lib = _library()
     return lib is not None and bool(lib.q4_1_layout(n))
 

@@ -22,21 +22,22 @@
 //   per row of x (laid out here, per call): qx [np * 32] int8 in the same vector order, dx and sx
 //       [np] float32
 //
-// Outputs in lanes (AVX-512 VNNI, for N % 16 == 0: q4_1_layout). Where a verify of a few rows
+// Outputs in lanes (for N % 16 == 0, on every class: q4_1_layout). Where a verify of a few rows
 // is bound by instructions, not by reading the weights, blocks in lanes spend most of theirs
 // outside the dot products: a horizontal sum and a store per output, and (K = 576: 16 blocks + 2)
 // a short group costing as much as the full ones. Here a 512-bit vector holds 16 consecutive
 // output rows instead, 4 weights of each, so one dpbusd against x's 4 int8 values of the same
 // columns (broadcast) advances 16 dot products, and each block ends with one convert and two
-// FMAs for 16 outputs: no horizontal sums, no short groups. Layout, per group o of 16 output
+// FMAs for 16 outputs: no horizontal sums, no short groups (the AVX2 class takes the vector as two
+// 256-bit halves of 8 outputs, in the same order of operations: the same bits). Layout, per group o of 16 output
 // rows (16o..16o+15) and block b (K / 32 blocks, no padding):
 //   qw: 4 vectors of 64 bytes; in vector j, lane l's 4 bytes c = 0..3 hold weights
 //       w[16o + l][32b + 4j + c] (low nibbles) and w[16o + l][32b + 16 + 4j + c] (high nibbles);
 //       as a tensor [N, nb * 16] bytes: the group's 16 rows are its nb * 256 bytes
 //   dw, mw: 16 fp16 (the group's rows), as a tensor [N, nb]
 //   qx: x's int8 values in their natural order, dx and sx [nb]
-// Every row of x runs the same instructions in the same order whatever the other rows (up to 8
-// share a pass over a group's weights, which stay in cache for the next 8), so a row's result
+// Every row of x runs the same instructions in the same order whatever the other rows (up to 8, 4
+// on AVX2, share a pass over a group's weights, which stay in cache for the next), so a row's result
 // never depends on the others.
 //
 // Built on the machine that runs it (whiflash_core/q4_1_kernel.py: cc -O3 -march=native, or the
@@ -62,13 +63,15 @@ static inline int64_t padded_blocks(int64_t K) { return (K / QK + 1) / 2 * 2; }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #define LANES16 1
+#define LANE_ROWS 8   // rows of x per pass over a group's weights (outputs in lanes)
 #else
 #define LANES16 0
+#define LANE_ROWS 4   // AVX2 has 16 vector registers: 4 rows' sums and accumulators, the weights
 #endif
-#define LANE_ROWS 8   // rows of x per pass over a group's weights (outputs in lanes)
 
-// 1 where weights of N output rows are packed with outputs in lanes (q4_1_kernel.pack asks).
-int q4_1_layout(int64_t N) { return LANES16 && N % 16 == 0; }
+// 1 where weights of N output rows are packed with outputs in lanes (q4_1_kernel.pack asks): on
+// every class the kernel builds for (the AVX2 class takes a group's 16 outputs as two halves).
+int q4_1_layout(int64_t N) { return N % 16 == 0; }
 
 // The short groups' first blocks: [full8, four) in groups of 8, [four, two) one of 4, [two, np) one of 2.
 static inline int64_t full8(int64_t np) { return np / 8 * 8; }
@@ -317,7 +320,66 @@ static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint
 }
 
 // ------------------------------------------------------------------ outputs in lanes
-#if LANES16
+#if !LANES16
+// The same layout on the AVX2 class. K = 576 (the embedded model's hidden size: 18 blocks) leaves
+// blocks in lanes with two full groups and a short one that costs nearly as much, and a horizontal
+// sum per output: perf put 37 % of a 4-row call (-march=haswell) there. Here a group's 64-byte
+// vectors are taken as two 256-bit halves, outputs 16o..16o+7 and then 16o+8..16o+15 (the sums and
+// accumulators of both at once would not fit 16 registers beside the weights), each block ending
+// in one convert and two FMAs for 8 outputs. The steps and their order are lanes_tile's (AVX-512):
+// the same integer sums, then acc += (d * dx) * dot + m * sx, so both classes give the same bits.
+// Without VNNI the products collect in int16 (maddubs) in one chain per row: a block's 8 steps put
+// 16 products in each int16 lane, 16 * 15 * 127 < 2^15.
+static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_t o, int64_t nb, int64_t K,
+        int64_t N, const uint8_t *qw, const uint16_t *dw, const uint16_t *mw, const int8_t *qx, const float *dx,
+        const float *sx, void *y, int y_bf16, int64_t r0) {
+    const uint8_t *wo = qw + o * nb * 256;
+    const uint16_t *dwo = dw + o * nb * 16, *mwo = mw + o * nb * 16;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[LANE_ROWS];
+        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *wb = wo + b * 256;
+            if (h == 0)   // the weights stream from memory once: ask for those PREFETCH_ROWS output rows ahead
+                for (int off = 0; off < 256; off += 64) _mm_prefetch((const char *)(wb + PREFETCH_ROWS * nb * 16 + off), _MM_HINT_T0);
+            __m256i i0[LANE_ROWS], i1[LANE_ROWS];
+            for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
+            for (int j = 0; j < 4; j++) {
+                const __m256i t = _mm256_loadu_si256((const __m256i *)(wb + 64 * j + 32 * h));
+                const __m256i lo = _mm256_and_si256(t, low), hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), low);
+                for (int r = 0; r < R; r++) {
+                    const int32_t *xw = (const int32_t *)(qx + (r0 + r) * K + b * QK);
+                    const __m256i x0 = _mm256_set1_epi32(xw[j]), x1 = _mm256_set1_epi32(xw[j + 4]);
+                    if (VNNI) {
+                        i0[r] = step8(i0[r], lo, x0);
+                        i1[r] = step8(i1[r], hi, x1);
+                    } else {
+                        i0[r] = step8(step8(i0[r], lo, x0), hi, x1);
+                    }
+                }
+            }
+            const __m256 wd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(dwo + b * 16 + 8 * h)));
+            const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mwo + b * 16 + 8 * h)));
+            for (int r = 0; r < R; r++) {
+                const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(dx[(r0 + r) * nb + b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(finish8(i0[r], i1[r])), scale, acc[r]);
+                acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(sx[(r0 + r) * nb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < R; r++) {
+            const int64_t i = (r0 + r) * N + 16 * o + 8 * h;
+            if (y_bf16) {
+                float v[8];
+                _mm256_storeu_ps(v, acc[r]);
+                for (int u = 0; u < 8; u++) store(y, 1, i + u, v[u]);
+            } else {
+                _mm256_storeu_ps((float *)y + i, acc[r]);
+            }
+        }
+    }
+}
+#else
 // y[r0 + r, 16o .. 16o + 15] = 16 floats, stored as float32 or bf16 (store()'s rounding, 16 lanes)
 static inline void store16(void *y, int bf16, int64_t i, __m512 v) {
     if (!bf16) {
@@ -369,6 +431,7 @@ static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_
     }
     for (int r = 0; r < R; r++) store16(y, y_bf16, (r0 + r) * N + 16 * o, acc[r]);
 }
+#endif
 
 static int lanes_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *qw, const uint16_t *dw,
                         const uint16_t *mw, int64_t N, void *y, int y_bf16) {
@@ -387,17 +450,20 @@ static int lanes_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const u
                     case 1: lanes_tile(1, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
                     case 2: lanes_tile(2, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
                     case 3: lanes_tile(3, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+#if LANE_ROWS == 8
                     case 4: lanes_tile(4, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
                     case 5: lanes_tile(5, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
                     case 6: lanes_tile(6, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
                     case 7: lanes_tile(7, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
-                    default: lanes_tile(8, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
+#endif
+                    default: lanes_tile(LANE_ROWS, o, nb, K, N, qw, dw, mw, qx, dx, sx, y, y_bf16, r0); break;
                 }
             }
     }
     free(work);
     return 0;
 }
+#if LANES16
 
 // ------------------------------------------------------------------ outputs in lanes, AMX
 //
@@ -722,8 +788,8 @@ int q4_1_matmul(const void *x, int x_bf16, int64_t M, int64_t K, const uint8_t *
 #endif
     if (q4_1_layout(N) && amx_from_rows > 0 && M >= amx_from_rows) return amx_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
 #endif
-    if (q4_1_layout(N)) return lanes_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
 #endif
+    if (q4_1_layout(N)) return lanes_matmul(x, x_bf16, M, K, qw, dw, mw, N, y, y_bf16);
     const int64_t np = padded_blocks(K);
     float *dx, *sx;
     int8_t *work = quantize_rows(x, x_bf16, M, M, K, 0, &dx, &sx), *qx = work;
