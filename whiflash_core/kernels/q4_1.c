@@ -324,9 +324,12 @@ static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint
 // The same layout on the AVX2 class. K = 576 (the embedded model's hidden size: 18 blocks) leaves
 // blocks in lanes with two full groups and a short one that costs nearly as much, and a horizontal
 // sum per output: perf put 37 % of a 4-row call (-march=haswell) there. Here a group's 64-byte
-// vectors are taken as two 256-bit halves, outputs 16o..16o+7 and then 16o+8..16o+15 (the sums and
-// accumulators of both at once would not fit 16 registers beside the weights), each block ending
-// in one convert and two FMAs for 8 outputs. The steps and their order are lanes_tile's (AVX-512):
+// vectors are taken as two 256-bit halves, outputs 16o..16o+7 and 16o+8..16o+15, each block ending
+// in one convert and two FMAs for 8 outputs. Both halves of a block in turn, so the weights are read
+// at an even pace behind the prefetches: with the weights coming from memory, as in a forward,
+// 1-4 rows ran 1.03-1.24x faster than one half over all blocks and then the other, which keeps
+// fewer accumulators live (in cache, 4-16 rows, that order was 1.05-1.12x faster; -march=haswell,
+// 1 thread, bench/q4_1_kernel_ab.sh with COPIES=256 and 1). The steps and their order are lanes_tile's (AVX-512):
 // the same integer sums, then acc += (d * dx) * dot + m * sx, so both classes give the same bits.
 // Without VNNI the products collect in int16 (maddubs) in one chain per row: a block's 8 steps put
 // 16 products in each int16 lane, 16 * 15 * 127 < 2^15.
@@ -336,13 +339,13 @@ static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_
     const uint8_t *wo = qw + o * nb * 256;
     const uint16_t *dwo = dw + o * nb * 16, *mwo = mw + o * nb * 16;
     const __m256i low = _mm256_set1_epi8(0x0F);
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[LANE_ROWS];
-        for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *wb = wo + b * 256;
-            if (h == 0)   // the weights stream from memory once: ask for those PREFETCH_ROWS output rows ahead
-                for (int off = 0; off < 256; off += 64) _mm_prefetch((const char *)(wb + PREFETCH_ROWS * nb * 16 + off), _MM_HINT_T0);
+    __m256 acc[2][LANE_ROWS];
+    for (int h = 0; h < 2; h++)
+        for (int r = 0; r < R; r++) acc[h][r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *wb = wo + b * 256;
+        for (int off = 0; off < 256; off += 64) _mm_prefetch((const char *)(wb + PREFETCH_ROWS * nb * 16 + off), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
             __m256i i0[LANE_ROWS], i1[LANE_ROWS];
             for (int r = 0; r < R; r++) i0[r] = i1[r] = _mm256_setzero_si256();
             for (int j = 0; j < 4; j++) {
@@ -363,21 +366,22 @@ static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_
             const __m256 wm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mwo + b * 16 + 8 * h)));
             for (int r = 0; r < R; r++) {
                 const __m256 scale = _mm256_mul_ps(wd, _mm256_set1_ps(dx[(r0 + r) * nb + b]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(finish8(i0[r], i1[r])), scale, acc[r]);
-                acc[r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(sx[(r0 + r) * nb + b]), acc[r]);
+                acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(finish8(i0[r], i1[r])), scale, acc[h][r]);
+                acc[h][r] = _mm256_fmadd_ps(wm, _mm256_set1_ps(sx[(r0 + r) * nb + b]), acc[h][r]);
             }
         }
+    }
+    for (int h = 0; h < 2; h++)
         for (int r = 0; r < R; r++) {
             const int64_t i = (r0 + r) * N + 16 * o + 8 * h;
             if (y_bf16) {
                 float v[8];
-                _mm256_storeu_ps(v, acc[r]);
+                _mm256_storeu_ps(v, acc[h][r]);
                 for (int u = 0; u < 8; u++) store(y, 1, i + u, v[u]);
             } else {
-                _mm256_storeu_ps((float *)y + i, acc[r]);
+                _mm256_storeu_ps((float *)y + i, acc[h][r]);
             }
         }
-    }
 }
 #else
 // y[r0 + r, 16o .. 16o + 15] = 16 floats, stored as float32 or bf16 (store()'s rounding, 16 lanes)
