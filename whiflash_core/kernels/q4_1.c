@@ -29,8 +29,8 @@
 // output rows instead, 4 weights of each, so one dpbusd against x's 4 int8 values of the same
 // columns (broadcast) advances 16 dot products, and each block ends with one convert and two
 // FMAs for 16 outputs: no horizontal sums, no short groups (the AVX2 class takes the vector as two
-// 256-bit halves of 8 outputs, in the same order of operations: the same bits). Layout, per group o of 16 output
-// rows (16o..16o+15) and block b (K / 32 blocks, no padding):
+// 256-bit halves of 8 outputs, in the same order of operations: the same bits). Layout, per group o
+// of 16 output rows (16o..16o+15) and block b (K / 32 blocks, no padding):
 //   qw: 4 vectors of 64 bytes; in vector j, lane l's 4 bytes c = 0..3 hold weights
 //       w[16o + l][32b + 4j + c] (low nibbles) and w[16o + l][32b + 16 + 4j + c] (high nibbles);
 //       as a tensor [N, nb * 16] bytes: the group's 16 rows are its nb * 256 bytes
@@ -66,7 +66,7 @@ static inline int64_t padded_blocks(int64_t K) { return (K / QK + 1) / 2 * 2; }
 #define LANE_ROWS 8   // rows of x per pass over a group's weights (outputs in lanes)
 #else
 #define LANES16 0
-#define LANE_ROWS 4   // AVX2 has 16 vector registers: 4 rows' sums and accumulators, the weights
+#define LANE_ROWS 4   // AVX2 (16 vector registers): 5 or 6 rows a pass measured no faster
 #endif
 
 // 1 where weights of N output rows are packed with outputs in lanes (q4_1_kernel.pack asks): on
@@ -329,8 +329,9 @@ static void rows(int R, int64_t n0, int64_t n1, int64_t K, int64_t N, const uint
 // at an even pace behind the prefetches: with the weights coming from memory, as in a forward,
 // 1-4 rows ran 1.03-1.24x faster than one half over all blocks and then the other, which keeps
 // fewer accumulators live (in cache, 4-16 rows, that order was 1.05-1.12x faster; -march=haswell,
-// 1 thread, bench/q4_1_kernel_ab.sh with COPIES=256 and 1). The steps and their order are lanes_tile's (AVX-512):
-// the same integer sums, then acc += (d * dx) * dot + m * sx, so both classes give the same bits.
+// 1 thread, bench/q4_1_kernel_ab.sh with COPIES=256 and 1). The steps and their order are
+// lanes_tile's (AVX-512): the same integer sums, then acc += (d * dx) * dot + m * sx, so every
+// class gives the same bits (tests/test_q4_1_kernel.py builds haswell, alderlake, icelake-server).
 // Without VNNI the products collect in int16 (maddubs) in one chain per row: a block's 8 steps put
 // 16 products in each int16 lane, 16 * 15 * 127 < 2^15.
 static inline __attribute__((always_inline)) void lanes_tile(const int R, int64_t o, int64_t nb, int64_t K,
