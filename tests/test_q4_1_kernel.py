@@ -165,10 +165,11 @@ def test_a_failed_build_is_a_fallback_too(monkeypatch, tmp_path):
 
 
 @needs_kernel
-def test_bf16_results_are_the_float32_ones_rounded_as_pytorch_rounds():
+@pytest.mark.parametrize("n", [52, 48])   # blocks in lanes; outputs in lanes
+def test_bf16_results_are_the_float32_ones_rounded_as_pytorch_rounds(n):
     """Q41Linear asks the kernel for bf16 directly (no float32 tensor and cast per call): the same
     bits as .to(torch.bfloat16) of the float32 result."""
-    q, d, m = _blocks(52, 576)
+    q, d, m = _blocks(n, 576)
     qw, dw, mw = q4_1_kernel.pack(q, d, m)
     for rows in (1, 3, 4, 9):
         x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
