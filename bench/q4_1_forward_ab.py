@@ -17,7 +17,6 @@ alternating between rounds; the median round per arm is reported, and the ratio 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -63,10 +62,7 @@ def main() -> None:
     def use(arm: str):
         target, kernels, stack = arms[arm]
         q4_1_kernel._library = lambda: kernels   # the Python-side calls (the LM head, lone linears)
-        address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
-        ops = decode_ops._library()
-        stack.layers_use(address(kernels.q4_1_matmul), address(ops.rms_norm_bf16), address(ops.silu_mul_bf16),
-                         address(ops.attend_rows_bf16), address(ops.attend_segments_bf16), address(ops.rope_append_bf16))
+        layer_stack.bind(stack, kernels, decode_ops._library())
         return target
 
     caches = {}

@@ -3,11 +3,15 @@ computes, its fallback where it cannot be built, and a target running on it (the
 its own blocks through it: test_quant.py)."""
 from __future__ import annotations
 
+import os
+import subprocess
+
 import numpy as np
 import pytest
 import torch
 
 from whiflash_core import native, q4_1_kernel
+from whiflash_core.machine import cpu_flags
 from whiflash_core.quant import Q41Linear, apply_weight_format
 
 # rerun with the AVX2 kernels forced (.ci/run): the kernel is then built for the AVX2 class
@@ -79,14 +83,6 @@ def test_a_zero_row_stays_zero_and_rows_do_not_mix():
         assert torch.equal(both[r], q4_1_kernel.matmul(x[r:r + 1], qw, dw, mw)[0])
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next(line for line in f if line.startswith("flags")).split(":", 1)[1].split())
-    except (OSError, StopIteration):
-        return set()
-
-
 @needs_kernel
 def test_the_avx2_and_vnni_builds_give_the_same_bits(tmp_path):
     """Outputs in lanes, the AVX2 class (maddubs, two 8-output halves of a group), AVX-VNNI (256-bit
@@ -94,13 +90,11 @@ def test_the_avx2_and_vnni_builds_give_the_same_bits(tmp_path):
     steps in the same order: a target quantized to Q4_1 gives a user the same numbers on a laptop
     and on a server. bench/q4_1_kernel_bench.c built for each class this CPU can run hashes the
     outputs of 1 to 16 rows (random blocks, the same on every build)."""
-    flags = _cpu_flags()
+    flags = cpu_flags()
     classes = ["haswell"] + [a for a, need in (("alderlake", "avx_vnni"), ("icelake-server", "avx512_vnni"))
                              if need in flags]
     if len(classes) < 2:
         pytest.skip("this CPU runs only the AVX2 class: nothing to compare it with")
-    import os
-    import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     hashes = {}
     for arch in classes:

@@ -33,6 +33,14 @@ WEIGHTS_PER_LAYER = 14   # kernels/layers.c's enum: norm, qkv (qw, dw, mw), o, n
 STACK_ROWS = 64
 
 
+def bind(lib: ctypes.CDLL, kernels: ctypes.CDLL, ops: ctypes.CDLL) -> None:
+    """Point the layer stack `lib` at the Q4_1 matmul of `kernels` and the decode ops of `ops`
+    (kernels/layers.c calls them through these pointers)."""
+    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
+    lib.layers_use(address(kernels.q4_1_matmul), address(ops.rms_norm_bf16), address(ops.silu_mul_bf16),
+                   address(ops.attend_rows_bf16), address(ops.attend_segments_bf16), address(ops.rope_append_bf16))
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     kernels, ops = q4_1_kernel._library(), decode_ops._library()
@@ -42,9 +50,7 @@ def _library() -> ctypes.CDLL | None:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.layers_use.argtypes = [p, p, p, p, p, p]
     lib.layers_use.restype = None
-    address = lambda fn: ctypes.cast(fn, ctypes.c_void_p).value   # noqa: E731
-    lib.layers_use(address(kernels.q4_1_matmul), address(ops.rms_norm_bf16), address(ops.silu_mul_bf16),
-                   address(ops.attend_rows_bf16), address(ops.attend_segments_bf16), address(ops.rope_append_bf16))
+    bind(lib, kernels, ops)
     lib.layers_bf16.argtypes = [p, i64, i64, i64, i64, i64, i64, ctypes.c_float, p, i64, p, p, i64,
                                 p, p, p, p, p, p, p, p, i64, p]
     lib.layers_bf16.restype = ctypes.c_int
