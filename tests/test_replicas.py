@@ -37,7 +37,7 @@ from conftest import LIVE_SERVER_ARGS, start_server
 
 pytest.importorskip("ray.serve", reason="the replicas extra is not installed: pip install -e '.[replicas]'")
 
-pytestmark = [pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.extended]   # ~90-130 s: make test-extended, .ci/run
 
 HEADER = "x-whiflash-replica"
 SLOTS = ["rank-0", "rank-1"]
