@@ -71,11 +71,13 @@ def replay_greedy(calls: list[tuple[list[int], torch.Tensor]]) -> list[int]:
 @pytest.fixture(scope="module", params=["dense", "auto"])
 def engine(request):
     threads = torch.get_num_threads()
-    if request.param == "auto":
-        yield load_engine(dtype="bfloat16", weights="auto", threads=1)
-    else:
-        yield load_engine(dtype="bfloat16", weights="dense", measure_costs=False)
-    torch.set_num_threads(threads)
+    try:
+        if request.param == "auto":
+            yield load_engine(dtype="bfloat16", weights="auto", threads=1)
+        else:
+            yield load_engine(dtype="bfloat16", weights="dense", measure_costs=False)
+    finally:   # also when loading failed: later modules run on the count they started with
+        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -122,19 +122,19 @@ def test_recycled_buffers_never_reach_the_tokens_served_int4():
     from whiflash_core.loading import load_engine
 
     threads = torch.get_num_threads()
-    # one thread, as the server steps requests on 2 cores: the formats timed are the server's (cached)
-    eng = load_engine(dtype="bfloat16", weights="auto", measure_costs=False, threads=1)
-    eng.prefix_cache = PrefixCache(256 * MB)
-    tok = eng.tokenizer
-    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in
-               ("What is a hash table? Answer in two sentences.", "Write a haiku about the sea.")]
-
-    def message(turn, i):
-        return tok.encode(f"\nUser: and then, question {turn}-{i}?\nAssistant:")
-
-    # one drafter each, at its fixed draft length: the same forward shapes in both runs (a routed
-    # method's choices follow the round timings it measures)
     try:
+        # one thread, as the server steps requests on 2 cores: the formats timed are the server's (cached)
+        eng = load_engine(dtype="bfloat16", weights="auto", measure_costs=False, threads=1)
+        eng.prefix_cache = PrefixCache(256 * MB)
+        tok = eng.tokenizer
+        prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in
+                   ("What is a hash table? Answer in two sentences.", "Write a haiku about the sea.")]
+
+        def message(turn, i):
+            return tok.encode(f"\nUser: and then, question {turn}-{i}?\nAssistant:")
+
+        # one drafter each, at its fixed draft length: the same forward shapes in both runs (a routed
+        # method's choices follow the round timings it measures)
         for method in ("eagle3", "dflash"):
             spec = SpeculationConfig(method=method)
             runs = {}
