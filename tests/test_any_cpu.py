@@ -70,12 +70,9 @@ def replay_greedy(calls: list[tuple[list[int], torch.Tensor]]) -> list[int]:
 # every round alike and drafts all it can, and the check below holds whatever it picks.
 @pytest.fixture(scope="module", params=["dense", "auto"])
 def engine(request):
-    threads = torch.get_num_threads()
+    auto, threads = request.param == "auto", torch.get_num_threads()
     try:
-        if request.param == "auto":
-            yield load_engine(dtype="bfloat16", weights="auto", threads=1)
-        else:
-            yield load_engine(dtype="bfloat16", weights="dense", measure_costs=False)
+        yield load_engine(dtype="bfloat16", weights=request.param, measure_costs=auto, threads=1 if auto else None)
     finally:   # also when loading failed: later modules run on the count they started with
         torch.set_num_threads(threads)
 

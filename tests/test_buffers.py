@@ -115,34 +115,30 @@ def test_recycled_buffers_never_reach_the_tokens_tiny_float64(method):
     assert poisoned.reused > 0   # the check has teeth: later turns ran in earlier turns' buffers
 
 
-def test_recycled_buffers_never_reach_the_tokens_served_int4():
+def test_recycled_buffers_never_reach_the_tokens_served_int4(one_torch_thread):
     """What `make run` serves (int4 where this CPU decodes it fastest, bf16; its C attention and
     layer stack): both runs have the same forward shapes, so the same bits, unless a recycled
     buffer's contents were read."""
     from whiflash_core.loading import load_engine
 
-    threads = torch.get_num_threads()
-    try:
-        # one thread, as the server steps requests on 2 cores: the formats timed are the server's (cached)
-        eng = load_engine(dtype="bfloat16", weights="auto", measure_costs=False, threads=1)
-        eng.prefix_cache = PrefixCache(256 * MB)
-        tok = eng.tokenizer
-        prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in
-                   ("What is a hash table? Answer in two sentences.", "Write a haiku about the sea.")]
+    # one thread, as the server steps requests on 2 cores: the formats timed are the server's (cached)
+    eng = load_engine(dtype="bfloat16", weights="auto", measure_costs=False)
+    eng.prefix_cache = PrefixCache(256 * MB)
+    tok = eng.tokenizer
+    prompts = [encode_chat(tok, [{"role": "user", "content": q}]) for q in
+               ("What is a hash table? Answer in two sentences.", "Write a haiku about the sea.")]
 
-        def message(turn, i):
-            return tok.encode(f"\nUser: and then, question {turn}-{i}?\nAssistant:")
+    def message(turn, i):
+        return tok.encode(f"\nUser: and then, question {turn}-{i}?\nAssistant:")
 
-        # one drafter each, at its fixed draft length: the same forward shapes in both runs (a routed
-        # method's choices follow the round timings it measures)
-        for method in ("eagle3", "dflash"):
-            spec = SpeculationConfig(method=method)
-            runs = {}
-            for name, buffers in (("poisoned", PoisonedPool()), ("zeros", FreshZeros())):
-                eng.prefix_cache.clear()
-                eng.buffers = buffers
-                runs[name] = run_agent_turns(eng, prompts, spec, 3, 24, message)
-            assert runs["poisoned"] == runs["zeros"], method
-            assert all(len(o) > 0 for o, _ in runs["zeros"])
-    finally:
-        torch.set_num_threads(threads)
+    # one drafter each, at its fixed draft length: the same forward shapes in both runs (a routed
+    # method's choices follow the round timings it measures)
+    for method in ("eagle3", "dflash"):
+        spec = SpeculationConfig(method=method)
+        runs = {}
+        for name, buffers in (("poisoned", PoisonedPool()), ("zeros", FreshZeros())):
+            eng.prefix_cache.clear()
+            eng.buffers = buffers
+            runs[name] = run_agent_turns(eng, prompts, spec, 3, 24, message)
+        assert runs["poisoned"] == runs["zeros"], method
+        assert all(len(o) > 0 for o, _ in runs["zeros"])
