@@ -132,6 +132,20 @@ def test_a_contended_verify_timing_is_timed_again_and_cached_from_its_best_times
     assert verify_tables(target) == quiet
 
 
+def test_an_out_of_order_timing_is_not_timed_again_once_the_attempts_took_the_budget(tmp_path, monkeypatch,
+                                                                                      quiet_machine):
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(machine, "MEASURE_BUDGET_S", 0.0)   # as if the first attempt ran long (float32, one thread)
+    target = tiny_target(torch.float32)
+    attempts = iter([({1: 25e-3, 4: 17e-3}, {4: 5e-3}), ({1: 3e-3, 4: 5e-3}, {4: 5e-3})])
+    calls = []
+    monkeypatch.setattr(machine, "_time_verify", lambda *a: calls.append(1) or next(attempts))
+    table, shared = verify_tables(target)
+    assert len(calls) == 1                                   # the in-order second attempt never ran
+    assert table == {1: 17e-3, 4: 17e-3} and shared == {4: 5e-3}   # the first, read from below
+    assert verify_tables(target) == (table, shared) and len(calls) == 1   # and cached
+
+
 def test_a_cpu_that_runs_more_rows_faster_is_timed_twice_and_cached_as_it_runs(tmp_path, monkeypatch, quiet_machine):
     """Seen on an AMX Xeon: a float32 verify of 16 rows ran faster than one of 12 in every attempt
     (the GEMM library changes kernels). Two attempts that agree are the CPU, not interference: the

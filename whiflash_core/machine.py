@@ -30,6 +30,7 @@ version and model shape (in ~/.cache/whiflash, or $WHIFLASH_CACHE_DIR). `whiflas
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
@@ -90,6 +91,11 @@ VERIFY_CACHE_VERSION = 6
 # absolute: a tiny model's forwards differ by noise alone.
 ORDER_SLACK = (1.15, 1e-3)
 MEASURE_ATTEMPTS = 3
+# ... and no attempt starts once the attempts so far took MEASURE_BUDGET_S: a float32 verify table at
+# one thread (AMD EPYC Zen 3) took 11-13 s an attempt, out of order in each (T(3) > T(4), T(9) > T(12),
+# never twice the same way), so every cold start spent ~38 s on three of them for the envelope that
+# the first one gives within its noise; a Q4_1 table (~2-3 s an attempt) still gets all of them.
+MEASURE_BUDGET_S = 10.0
 # ... unless the CPU itself runs fewer rows slower: on an AMX Xeon (2 cores, 1 thread) a float32 verify
 # read T(12) = 139 ms, T(16) = 114 ms in every attempt (the GEMM library changes kernels at 16 rows),
 # and being never cached every server start spent three 21-s attempts on it. Interference does not
@@ -235,12 +241,12 @@ def _timed_in_order(time_once, what: str) -> tuple[dict, float | None]:
     rarely gone a minute later). Returns (tables, the other work's cores if it competed else None),
     for the caller to cache with `_marks`: tables out of order the same way in two attempts in a row
     are the CPU's own shape (`reproduced`) and come as timed, the better of the two; tables still
-    out of order after every attempt come as the lower envelope of each row count's best over the
-    attempts (see MEASURE_ATTEMPTS); contended ones come as timed, read from below, and are cached
+    out of order after every attempt (MEASURE_ATTEMPTS, or fewer once they took MEASURE_BUDGET_S)
+    come as the lower envelope of each row count's best over the attempts; contended ones come as timed, read from below, and are cached
     marked so (a later start that finds the machine quiet times them again, a busy one starts at
     once with them: `_cached`)."""
-    previous, best = None, None
-    for _ in range(MEASURE_ATTEMPTS):
+    previous, best, started = None, None, time.perf_counter()
+    for attempt in range(1, MEASURE_ATTEMPTS + 1):
         tables, others = others_load(time_once)
         if contended(others):
             print(f"whiflash: the {what} timings ran beside other work ({others:.1f} cores of it on this "
@@ -254,7 +260,9 @@ def _timed_in_order(time_once, what: str) -> tuple[dict, float | None]:
             return _lower(previous, tables), None
         previous = tables
         best = tables if best is None else _lower(best, tables)
-    print(f"whiflash: the {what} timings stayed out of order in {MEASURE_ATTEMPTS} attempts, each differently; "
+        if time.perf_counter() - started >= MEASURE_BUDGET_S:
+            break
+    print(f"whiflash: the {what} timings stayed out of order in {attempt} attempt(s), each differently; "
           "using the lower envelope of their best times (cached)", file=sys.stderr, flush=True)
     return {name: envelope(t) for name, t in best.items()}, None
 
@@ -291,16 +299,29 @@ def _marks(tables, others: float | None) -> dict:
     return {"reproduced": True} if any(map(out_of_order, tables)) else {}
 
 
-def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str = "int8"):
-    from .quant import Int4Linear, Q41Linear, quantize_head, quantize_int8
+def _random_dense(cfg, layers: int) -> torch.nn.Module:
+    """A float32 model of cfg's shapes with `layers` decoder layers and random weights (std 0.02)."""
     from .target import TargetModel
 
-    small = dataclasses.replace(cfg, num_layers=layers)
     torch.manual_seed(0)
-    model = TargetModel(small).to(dtype).eval()
+    model = TargetModel(dataclasses.replace(cfg, num_layers=layers)).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    return model
+
+
+def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str = "int8",
+                  bases: dict | None = None):
+    """A model of cfg's shapes, `layers` layers, random weights in the given format. `bases` keeps
+    the dense float32 models it copies from between calls: building and filling one took ~1.5 s
+    of a ~2 s call (AMD EPYC, one thread), and the format table builds 22 of them."""
+    from .quant import Int4Linear, Q41Linear, quantize_head, quantize_int8
+
+    bases = {} if bases is None else bases
+    if layers not in bases:
+        bases[layers] = _random_dense(cfg, layers)
+    model = copy.deepcopy(bases[layers]).to(dtype)
     if weights in ("int4", "q4_1"):  # random Q4_1 blocks: only the kernel's speed matters here
         linear = Q41Linear if weights == "q4_1" else Int4Linear
         rng = np.random.default_rng(0)
@@ -322,6 +343,19 @@ def _random_model(cfg, layers: int, dtype: torch.dtype, weights: str, head: str 
     return model
 
 
+def _cache_at(model, length: int, capacity: int):
+    """A new cache of `model` holding `length` positions of random K/V. A timing needs the context's
+    length, not its contents (attention reads every cached position whatever it holds), and a
+    prefill to fill it cost more than the timings after it: 8.5 s of bf16 GEMMs for 1,024
+    positions where bf16 is emulated (AMD EPYC Zen 3, one thread), against ~1.5 s of timing."""
+    cache = model.new_cache(capacity)
+    gen = torch.Generator().manual_seed(0)
+    for buf in (cache.k, cache.v):
+        buf[:, :, :length] = torch.randn(buf[:, :, :length].shape, generator=gen).to(buf.dtype)
+    cache.length = length
+    return cache
+
+
 def head_kinds() -> tuple[str, ...]:
     """The LM-head kinds this machine can run (quant.HEAD_KINDS): dynint8 needs a PyTorch build with
     a dynamic int8 GEMM, q4_1 the kernel built here."""
@@ -340,8 +374,7 @@ class _Timer:
         n = FORMATS_CONTEXT
         self.ids = torch.randint(0, model.cfg.vocab_size, (n + max(PREFILL_ROWS),),
                                  generator=torch.Generator().manual_seed(0))
-        self.cache = model.new_cache(n + max(PREFILL_ROWS))
-        model(self.ids[:n], self.cache, logits_from=n - 1)
+        self.cache = _cache_at(model, n, n + max(PREFILL_ROWS))
 
     def once(self, r: int) -> float:
         n = FORMATS_CONTEXT
@@ -365,26 +398,44 @@ def time_formats(cfg, candidates: list[tuple[str, str]], reps: int = 5,
     n = min(cfg.num_layers, 8)
     rows_of = {c: DECODE_ROWS + (PREFILL_ROWS if c[1] == "dense" or c[1] in CHUNKED_FORMATS else LIGHT_PREFILL_ROWS)
                for c in candidates}
-    timers = {(c, layers): _Timer(_random_model(cfg, layers, getattr(torch, c[0]), c[1]))
-              for c in candidates for layers in (0, n)}
-    for dtype in sorted({c[0] for c in candidates if c[1] != "dense"}):
-        for head in heads:
-            c = (dtype, f"head-{head}")
-            rows_of[c] = DECODE_ROWS
-            timers[(c, 0)] = _Timer(_random_model(cfg, 0, getattr(torch, dtype), "int8", head))
+    heads_of = {(dtype, head): (dtype, f"head-{head}") for dtype in sorted({c[0] for c in candidates if c[1] != "dense"})
+                for head in heads}
+    rows_of.update({c: DECODE_ROWS for c in heads_of.values()})
+
+    def model_of(c: tuple[str, str], layers: int) -> tuple[str, str, int, str | None]:
+        """(dtype, weights, layers, head) of the model that times candidate c at `layers` layers.
+        Without layers a light format is its LM head alone (q4_1 also runs the norm natively): the
+        0-layer models of int4, int8 and the int8 head's entry are one model, built and timed once."""
+        dtype, weights = c
+        if weights.startswith("head-"):
+            return dtype, "light", 0, weights[5:]
+        if layers == 0 and weights not in ("dense", *CHUNKED_FORMATS):
+            weights = "light"
+        return dtype, weights, layers, None if weights == "dense" else "int8"
+
+    uses = [(c, layers) for c in candidates for layers in (0, n)] + [(c, 0) for c in heads_of.values()]
+    rows_for: dict[tuple, set[int]] = {}
+    for c, layers in uses:
+        rows_for.setdefault(model_of(c, layers), set()).update(rows_of[c])
+    bases: dict = {}
+    timers = {m: _Timer(_random_model(cfg, m[2], getattr(torch, m[0]), "int8" if m[1] == "light" else m[1],
+                                      m[3] or "int8", bases))
+              for m in rows_for}
     best: dict[tuple, float] = {}
     for rep in range(reps):
-        for (c, layers), timer in timers.items():
-            for r in rows_of[c]:
+        for m, timer in timers.items():
+            for r in sorted(rows_for[m]):
                 if r > 8 and rep >= max(1, reps // 2):  # big row counts: less relative noise
                     continue
-                key = (c, layers, r)
-                best[key] = min(best.get(key, float("inf")), timer.once(r))
-    table = {f"{c[0]}/{c[1]}": {r: best[(c, 0, r)] + cfg.num_layers / n * max(best[(c, n, r)] - best[(c, 0, r)], 0.0)
+                best[(m, r)] = min(best.get((m, r), float("inf")), timer.once(r))
+
+    def t(c, layers, r):
+        return best[(model_of(c, layers), r)]
+
+    table = {f"{c[0]}/{c[1]}": {r: t(c, 0, r) + cfg.num_layers / n * max(t(c, n, r) - t(c, 0, r), 0.0)
                                 for r in sorted(set(rows_of[c]))} for c in candidates}
-    for (c, layers) in timers:
-        if c[1].startswith("head-"):
-            table[f"head:{c[0]}/{c[1][5:]}"] = {r: best[(c, 0, r)] for r in rows_of[c]}
+    for (dtype, head), c in heads_of.items():
+        table[f"head:{dtype}/{head}"] = {r: t(c, 0, r) for r in rows_of[c]}
     return table
 
 
@@ -519,13 +570,10 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
                         generator=torch.Generator().manual_seed(0)).to(target.device)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
     segments = max(SHARED_ROWS) // SHARED_SEGMENT_ROWS + 1
-    caches = [target.new_cache(CONTEXT + longest) for _ in range(segments)]
+    caches = [_cache_at(target, CONTEXT, CONTEXT + longest) for _ in range(segments)]
     best: dict[int, float] = {}
     shared: dict[int, float] = {}
     with torch.inference_mode():
-        target(ids[:CONTEXT], caches[0], logits_from=CONTEXT - 1)
-        for cache in caches[1:]:   # the same context copied (17 prefills took ~8 s in float32 at 1 thread)
-            cache.load_prefix(caches[0].k, caches[0].v, CONTEXT)
         # Warm up, then one row count at a time, as a decode loop runs them. A fresh process's
         # first ~10 forwards run slow (one row: 5.7 ms first, 3.1 ms after a dozen), and with the
         # counts interleaved (and the shared forwards between) each call was cold again: the table
@@ -592,15 +640,14 @@ def _time_context(target, taps: tuple[int, ...], reps: int) -> dict[int, float]:
     ids = torch.randint(0, cfg.vocab_size, (LONG_CONTEXT + longest,),
                         generator=torch.Generator().manual_seed(1)).to(target.device)
     sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
-    caches = {context: target.new_cache(context + longest) for context in (CONTEXT, LONG_CONTEXT)}
+    caches = {context: _cache_at(target, context, context + longest) for context in (CONTEXT, LONG_CONTEXT)}
     per_position: dict[int, float] = {}
     with torch.inference_mode():
-        for context, cache in caches.items():
-            target(ids[:context], cache, logits_from=context - 1)
         _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], caches[CONTEXT], taps), [caches[CONTEXT]], CONTEXT,
                       WARMUP_FORWARDS, sync)
         for r in CONTEXT_ROWS:
-            best = {c: _best_seconds(lambda: target(ids[c:c + r], cache, taps), [cache], c, reps, sync)
+            best = {c: _best_seconds(lambda: target(ids[c:c + r], cache, taps), [cache], c, reps, sync,
+                                     TIMING_BUDGET_S)
                     for c, cache in caches.items()}
             per_position[r] = max(best[LONG_CONTEXT] - best[CONTEXT], 0.0) / (LONG_CONTEXT - CONTEXT)
     return per_position

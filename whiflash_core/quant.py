@@ -72,11 +72,11 @@ GGUF_TO_HF = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_
 
 def read_q4_1_linears(gguf_path: str, num_heads: int, num_kv_heads: int) -> dict[str, tuple]:
     """{'layers.{i}.{module}': (q, d, m)} for every Q4_1 linear in the file, in HF orientation."""
-    import gguf
+    from .gguf_index import read_tensors
 
     out = {}
-    for t in gguf.GGUFReader(gguf_path).tensors:
-        if t.tensor_type.name != "Q4_1" or not t.name.startswith("blk."):
+    for t in read_tensors(gguf_path):
+        if t.type.name != "Q4_1" or not t.name.startswith("blk."):
             continue
         _, layer, kind, _ = t.name.split(".")
         n_cols = int(t.shape[0])  # gguf shapes are [in, out]
