@@ -22,6 +22,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from whiflash_core.engine import Engine, Generation, GenerationRequest
 from whiflash_core.logits import TokenLogprob
 
@@ -243,10 +245,9 @@ class Scheduler:
                 admitted = []
                 while self._waiting and len(self._active) + len(admitted) < self.max_active:
                     admitted.append(self._waiting.popleft())
-            for handle in admitted:
-                self._start(handle)
+            starting = [s for s in (self._start(handle) for handle in admitted) if s is not None]
             if self.shared_forwards:
-                self._step_together([slot for slot in list(self._active) if self._may_step(slot)])
+                self._step_together([slot for slot in list(self._active) if self._may_step(slot)], starting)
             else:
                 for slot in list(self._active):
                     self._step(slot)
@@ -259,14 +260,17 @@ class Scheduler:
         """Nothing to do and not stopping (called with _cv held)."""
         return not self._stopping and not self._waiting and not self._active
 
-    def _start(self, handle: RequestHandle) -> None:
+    def _start(self, handle: RequestHandle) -> tuple[RequestHandle, Generation, torch.Tensor] | None:
+        """Start a request: its prefill runs now, or, when it is a few rows and other requests are
+        stepping (`Engine.prefill_rides`), comes back as (handle, generation, prompt rows) for their
+        shared step (`_step_together`), whose forward it rides in where it fits."""
         now = time.perf_counter()
         if handle.cancel_reason is not None:
             self._end_unstarted(handle)
-            return
+            return None
         if now > handle.deadline:
             self._fail(handle, timeout_error(self.request_timeout), "timeout")
-            return
+            return None
         try:
             gen = self.engine.start(handle.request)
             self._publish("request_started", handle, prompt_tokens=len(handle.request.prompt_ids),
@@ -274,16 +278,24 @@ class Scheduler:
                           alpha=gen.spec.alpha, policy=gen.spec.policy, **handle.info)
             if self.metrics:
                 self.metrics.started(len(handle.request.prompt_ids), now - handle.arrival)
-            gen.prefill()
-            if self.metrics:
-                self.metrics.prefix_cache_lookup(gen.prompt_len, gen.cached_tokens)
+            rows = gen.begin_prefill()
+            if self.shared_forwards and self._active and self.engine.prefill_rides(rows.shape[0]):
+                return handle, gen, rows   # step_many runs it, in the shared forward where it fits
+            gen.run_prefill(rows)
         except ValueError as exc:  # the engine's own request checks (context length, method)
             self._fail(handle, bad_request(str(exc)), "error")
-            return
+            return None
         except Exception as exc:
             log.exception("prefill failed for %s", handle.id)
             self._fail(handle, internal_error(f"generation failed: {type(exc).__name__}: {exc}"), "error")
-            return
+            return None
+        self._started(handle, gen)
+        return None
+
+    def _started(self, handle: RequestHandle, gen: Generation) -> None:
+        """A request whose prefill is done: stepped from now on, its first token delivered."""
+        if self.metrics:
+            self.metrics.prefix_cache_lookup(gen.prompt_len, gen.cached_tokens)
         slot = _Slot(handle, gen)
         self._active.append(slot)
         self._deliver(slot)
@@ -312,12 +324,22 @@ class Scheduler:
             r = exc
         self._after_round(slot, r)
 
-    def _step_together(self, slots: list[_Slot]) -> None:
+    def _step_together(self, slots: list[_Slot], starting: list[tuple[RequestHandle, Generation, torch.Tensor]] = ()
+                       ) -> None:
         """One round of every active request, their verify rows in one target forward
-        (Engine.step_many): the weights are read once for all of them."""
-        if slots:
-            for slot, r in zip(slots, self.engine.step_many([slot.gen for slot in slots])):
-                self._after_round(slot, r)
+        (Engine.step_many): the weights are read once for all of them; the prompt rows of the
+        requests `starting` ride in it too (their prefill)."""
+        if not slots and not starting:
+            return
+        results = self.engine.step_many([slot.gen for slot in slots], [(gen, rows) for _, gen, rows in starting])
+        for slot, r in zip(slots, results):
+            self._after_round(slot, r)
+        for (handle, gen, _), r in zip(starting, results[len(slots):]):
+            if isinstance(r, Exception):
+                log.error("prefill failed for %s", handle.id, exc_info=r)
+                self._fail(handle, internal_error(f"generation failed: {type(r).__name__}: {r}"), "error")
+            else:
+                self._started(handle, gen)
 
     def _after_round(self, slot: _Slot, r) -> None:
         handle, gen = slot.handle, slot.gen

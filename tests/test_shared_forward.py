@@ -51,6 +51,44 @@ def test_shared_forwards_give_each_request_its_own_tokens(dtype):
             [d["accepted_tokens"] for d in a.stats()["drafters"].values()]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_prefills_riding_in_shared_forwards_give_each_request_its_own_tokens(dtype, one_torch_thread):
+    """Requests start one after another while the others step: each one's prompt rows go through
+    the target in the others' shared forward (logits of its last row only), as an agent turn's
+    new tokens do on a busy one-thread server; every request still gets the tokens it gets alone."""
+    eng = engine(dtype)
+    reqs = requests()
+    alone = [eng.generate(r) for r in reqs]
+    gens = [eng.start(r) for r in reqs]
+    gens[0].prefill()
+    active, rode = [gens[0]], 0
+    for step in range(400):
+        joining = [(g, g.begin_prefill()) for g in gens[len(active):len(active) + 1]] if step % 3 == 2 else []
+        assert all(eng.prefill_rides(rows.shape[0]) for _, rows in joining)
+        stepping = [g for g in active if not g.finished]
+        results = eng.step_many(stepping, joining)
+        assert not any(isinstance(r, Exception) for r in results), results
+        assert results[len(stepping):] == [None] * len(joining)
+        rode += bool(joining and stepping)   # (one that does not fit the step runs its own forward)
+        active += [g for g, _ in joining]
+        if len(active) == len(gens) and all(g.finished for g in gens):
+            break
+    assert rode >= 4   # most prefills shared a forward with running requests
+    for a, g in zip(alone, gens):
+        assert g.output == a.output, g.spec.method
+        assert g.finish_reason == a.finish_reason
+        # the drafters read the same context (the prompt's taps came from the shared forward)
+        assert [d["accepted_tokens"] for d in g.stats()["drafters"].values()] == \
+            [d["accepted_tokens"] for d in a.stats()["drafters"].values()]
+
+
+def test_prefills_ride_only_where_the_target_runs_on_one_thread(one_torch_thread):
+    eng = engine()
+    assert eng.prefill_rides(20) and not eng.prefill_rides(65)   # no layer stack: SHARED_PREFILL_MAX_ROWS
+    eng.large_threads = 2   # a server whose forwards of 8 rows or more run on two threads
+    assert not eng.prefill_rides(20)
+
+
 def test_a_failing_request_does_not_fail_the_others():
     eng = engine()
     gens = [eng.start(r) for r in requests()[:3]]

@@ -39,7 +39,7 @@ from .router import (LOOKUP, METHODS, Candidate, Method, Route, Router, RouterCa
                      choose_shared)
 from .router_mlp import RouterMLP
 from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
-from .target import TargetModel
+from .target import TargetModel, TargetOutput
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 # most tokens/s and one stream as many as 4 did (README "Threads",
 # bench/results/load_pool_threads_xeon.json). See Engine.threads_for.
 LARGE_FORWARD_ROWS = 8
+# the most prompt rows that ride in a shared step (Engine.prefill_rides) where the target has no
+# layer stack (whose own limit, layer_stack.STACK_ROWS, applies where it has one)
+SHARED_PREFILL_MAX_ROWS = 64
 
 __all__ = ["METHODS", "Method", "SpeculationConfig", "GenerationRequest", "Engine", "Generation", "Round"]
 
@@ -166,7 +169,8 @@ class Engine:
     def start(self, request: GenerationRequest) -> Generation:
         return Generation(self, request)
 
-    def step_many(self, gens: list[Generation]) -> list[Round | None | Exception]:
+    def step_many(self, gens: list[Generation], prefills: list[tuple[Generation, torch.Tensor]] = ()
+                  ) -> list[Round | None | Exception]:
         """One round of each generation, with one target forward shared by all of them.
 
         The requests plan their rounds together (`plan_many`: each routes on its own, then each
@@ -175,23 +179,48 @@ class Engine:
         read, most of a CPU forward's cost) see all rows at once, attention stays per request (its
         own cache and positions). Each request then accepts and rolls back on its own, so its tokens
         do not depend on what it was batched with (float32: the same as stepping it alone,
-        tests/test_shared_forward.py). Returns, per generation, its Round, None once finished, or the
-        exception that ended its round: one request's failure is its own."""
+        tests/test_shared_forward.py).
+
+        `prefills`: starting requests and their prompt rows (`Generation.begin_prefill`). Those that
+        fit (`prefill_rides`) ride in the same forward, logits of their last row only, and then emit
+        their first token (`finish_prefill`): an agent turn's few new tokens otherwise cost a forward
+        of their own while the others wait. The rest run their own forward first (`run_prefill`).
+
+        Returns, per generation of `gens` and then of `prefills`, its Round (None for a prefill, and
+        once finished) or the exception that ended its round: one request's failure is its own."""
         results, planned = self.plan_many(gens)
-        if not planned:
+        results += [None] * len(prefills)
+        room = self.shared_rows_limit() - sum(plan.rows.shape[0] for _, _, plan in planned)
+        riding = []
+        for j, (gen, rows) in enumerate(prefills):
+            if planned and self.prefill_rides(rows.shape[0]) and rows.shape[0] <= room:
+                riding.append((len(gens) + j, gen, rows))
+                room -= rows.shape[0]
+                continue
+            try:
+                gen.run_prefill(rows)
+            except Exception as exc:
+                results[len(gens) + j] = exc
+        segments = [(i, gen, plan.rows, 0) for i, gen, plan in planned] + \
+            [(i, gen, rows, rows.shape[0] - 1) for i, gen, rows in riding]
+        if not segments:
             return results
-        taps = self.tap_layers if any(gen.tap_layers for _, gen, _ in planned) else ()
+        taps = self.tap_layers if any(gen.tap_layers for _, gen, _, _ in segments) else ()
         try:
-            with self.threads_for(sum(p.rows.shape[0] for _, _, p in planned)):
-                if len(planned) == 1:   # alone: the plain forward (and the same bits as step())
+            with self.threads_for(sum(rows.shape[0] for _, _, rows, _ in segments)):
+                if len(segments) == 1 and not riding:   # alone: the plain forward (and the same bits as step())
                     (_, gen, plan), = planned
                     outs = [self.target(plan.rows, gen.cache, gen.tap_layers)]
                 else:
-                    outs = self.target.forward_many([p.rows for _, _, p in planned],
-                                                    [g.cache for _, g, _ in planned], taps)
+                    outs = self.target.forward_many([rows for _, _, rows, _ in segments],
+                                                    [gen.cache for _, gen, _, _ in segments], taps,
+                                                    [first for _, _, _, first in segments])
         except Exception as exc:
             for i, gen, plan in planned:
                 gen.cache.rollback(min(plan.n, gen.cache.length))
+            for _, gen, _ in riding:
+                gen.cache.rollback(gen.cached_tokens)
+            for i, _, _, _ in segments:
                 results[i] = exc
             return results
         for (i, gen, plan), out in zip(planned, outs):
@@ -199,7 +228,38 @@ class Engine:
                 results[i] = gen.commit(plan, out)
             except Exception as exc:
                 results[i] = exc
+        for (i, gen, _), out in zip(riding, outs[len(planned):]):
+            try:
+                gen.finish_prefill(out)
+            except Exception as exc:
+                results[i] = exc
         return results
+
+    def prefill_rides(self, rows: int) -> bool:
+        """Whether a prefill of `rows` rows may ride in a shared step (`step_many`): where the target
+        runs its forwards on one thread, and the prefill is a few tens of rows, as an agent turn's
+        new tokens after the cached conversation (at most what one call of the layer stack takes of
+        a request), not a prompt long enough for the prefill twin (its own dtype and weights).
+
+        One thread only, by measurement (8-stream agent load, bench/results/
+        load_prefill_rides_zen3.json, AMD EPYC Zen 3): a server of one thread served 1.17x the
+        tokens/s with the turns' prefills riding (the prefills had been a third of its engine
+        thread's time), while the default two-core server (steps on one thread, forwards of 8 rows
+        or more on two) served 0.91x, and its first tokens came later (TTFT p50 0.18 -> 0.27 s), as
+        an AMX Xeon's had at two threads (README)."""
+        if (self.large_threads or torch.get_num_threads()) != 1:
+            return False
+        stack = self.target.layer_stack
+        limit = stack.max_rows if stack is not None else SHARED_PREFILL_MAX_ROWS
+        return rows <= limit and rows < self.target.prefill_from_rows
+
+    def shared_rows_limit(self) -> int:
+        """The most rows a shared step takes with prefills riding in it: what one call of the layer
+        stack takes (beyond, the forward leaves it for the module path and, past the target's
+        prefill_from_rows, the linears' dense copies: the formats measured fastest for long
+        prompts, not for many short requests); without a stack, SHARED_PREFILL_MAX_ROWS."""
+        stack = self.target.layer_stack
+        return stack.max_total_rows if stack is not None else SHARED_PREFILL_MAX_ROWS
 
     def plan_many(self, gens: list[Generation]) -> tuple[list, list[tuple[int, Generation, RoundPlan]]]:
         """`Generation.plan` for several requests: each routes on its own, then each drafter
@@ -364,24 +424,40 @@ class Generation:
     def prefill(self) -> None:
         """Run the prompt through the target (after the longest prefix the prefix cache holds) and
         emit the first token."""
-        t0 = time.perf_counter()
+        self.run_prefill(self.begin_prefill())
+
+    def run_prefill(self, rows: torch.Tensor) -> None:
+        """`begin_prefill`'s rows through the target in a forward of their own, then `finish_prefill`."""
+        with self.engine.threads_for(rows.shape[0]):
+            out = self.engine.target(rows, self.cache, self.tap_layers, logits_from=rows.shape[0] - 1)
+        self.finish_prefill(out)
+
+    def begin_prefill(self) -> torch.Tensor:
+        """The prompt tokens the target still has to run after the longest prefix the prefix cache
+        holds (copied into this request's cache): at least the last one, whose logits choose the
+        first token. Their forward (alone: `prefill`; beside other requests' rounds:
+        `Engine.step_many`) goes to `finish_prefill`."""
+        self._prefill_t0 = time.perf_counter()
         p = self.prompt_len
         if p + 1 >= self.engine.max_context:
             raise ValueError(f"prompt of {p} tokens exceeds the context length {self.engine.max_context}")
         m = self.cached_tokens = self._reuse_cached_prefix()
-        # the last prompt position is always computed: its logits choose the first token
-        with self.engine.threads_for(p - m):
-            out = self.engine.target(self.ids[m:p], self.cache, self.tap_layers, logits_from=p - m - 1)
+        return self.ids[m:p]
+
+    def finish_prefill(self, out: TargetOutput) -> None:
+        """Keep the forward of `begin_prefill`'s rows (its taps, the prefix cache entry) and emit the
+        first token: the argmax (or sample) of the last row's logits (`out.logits[-1]`)."""
+        m, p = self.cached_tokens, self.prompt_len
         if self.tap_layers:
             self.taps[m:p] = out.taps
         self._store_prefix()
         masks = self.request.constraint.masks([]) if self.request.constraint else None
-        logits = self._target_logits(out.logits, None)
+        logits = self._target_logits(out.logits[-1:], None)
         _, tok = self._verify(logits, None, masks)
         self.last_logits = out.logits[-1]
         self.last_hidden = out.last_hidden[-1].clone()   # a copy: the prompt's hidden states can go
         self.ids[p] = tok
-        self.prefill_s += time.perf_counter() - t0
+        self.prefill_s += time.perf_counter() - self._prefill_t0
         self._emit([tok], ["target"], round_index=0, logits=logits)
 
     def _reuse_cached_prefix(self) -> int:

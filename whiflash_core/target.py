@@ -316,10 +316,11 @@ class TargetModel(nn.Module):
 
     @torch.inference_mode()
     def forward_many(self, tokens: list[torch.Tensor], caches: list[KVCache],
-                     taps: tuple[int, ...] = ()) -> list[TargetOutput]:
-        """`forward` for several requests at once (their verify rows): the embedding, norms, MLPs,
-        projections and LM head run over all rows together, attention per request over its own
-        cache. Returns each request's output (logits for all its rows) as `forward` would."""
+                     taps: tuple[int, ...] = (), logits_from: list[int] | None = None) -> list[TargetOutput]:
+        """`forward` for several requests at once (their verify rows, or a prompt's last rows): the
+        embedding, norms, MLPs, projections and LM head run over all rows together, attention per
+        request over its own cache. Returns each request's output as `forward` would: logits for
+        its rows from `logits_from[i]` on (default all of them)."""
         segments = []
         for t, cache in zip(tokens, caches):
             rows, start = t.shape[0], cache.length
@@ -344,14 +345,20 @@ class TargetModel(nn.Module):
             h = self.norm(x)
             captured[self.cfg.num_layers] = h
             tap_tensor = torch.stack([captured[i] for i in taps], dim=1) if taps else None
-        logits = self.logits(h)
-        outs, row = [], 0
-        for s in segments:
+        firsts = logits_from or [0] * len(segments)
+        if any(firsts):   # the LM head only for the rows whose logits are asked for
+            bounds = torch.tensor([0] + [s.rows for s in segments]).cumsum(0).tolist()
+            keep = torch.cat([torch.arange(a + f, b) for a, b, f in zip(bounds, bounds[1:], firsts)])
+            logits = self.logits(h[keep])
+        else:
+            logits = self.logits(h)
+        outs, row, logit_row = [], 0, 0
+        for s, first in zip(segments, firsts):
             s.cache.length = s.start + s.rows
-            end = row + s.rows
-            outs.append(TargetOutput(logits=logits[row:end], taps=None if tap_tensor is None else tap_tensor[row:end],
-                                     last_hidden=h[row:end]))
-            row = end
+            end, n_logits = row + s.rows, s.rows - first
+            outs.append(TargetOutput(logits=logits[logit_row:logit_row + n_logits],
+                                     taps=None if tap_tensor is None else tap_tensor[row:end], last_hidden=h[row:end]))
+            row, logit_row = end, logit_row + n_logits
         return outs
 
     def _forward_in_twin(self, tokens, cache: KVCache, taps: tuple[int, ...], logits_from: int) -> TargetOutput:
