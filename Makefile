@@ -25,7 +25,7 @@ run: $(STAMP)
 	$(BIN)/whiflash serve --host 127.0.0.1 --port 8000
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow and not extended'
+	$(BIN)/python -m pytest -q -m 'not slow and not extended' --durations=15
 
 # The heavy end-to-end tests make test leaves out (a Ray cluster of two replicas); .ci/run runs them.
 test-extended: $(STAMP)
