@@ -156,7 +156,8 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         *lineage_lines(prior, ckpt),
         f"- Command: `whiflash train {name} {flags}`",
         f"- Optimiser: AdamW, lr {s['lr']:g}, {s['schedule']} schedule, warm-up {s['warmup']}, "
-        f"clip {s['clip']}, batches of {s['batch_tokens']} tokens, bf16 autocast.",
+        f"clip {s['clip']}, batches of {s['batch_tokens']} tokens, "
+        + ("bf16 autocast." if s.get("autocast", True) else "float32 (no autocast)."),
     ]
     if train:
         t = train[-1]
