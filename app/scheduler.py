@@ -278,10 +278,13 @@ class Scheduler:
                           alpha=gen.spec.alpha, policy=gen.spec.policy, **handle.info)
             if self.metrics:
                 self.metrics.started(len(handle.request.prompt_ids), now - handle.arrival)
-            rows = gen.begin_prefill()
-            if self.shared_forwards and self._active and self.engine.prefill_rides(rows.shape[0]):
-                return handle, gen, rows   # step_many runs it, in the shared forward where it fits
-            gen.run_prefill(rows)
+            if self.shared_forwards and self._active and self.engine.rides_prefills():
+                rows = gen.begin_prefill()
+                if self.engine.prefill_rides(rows.shape[0]):
+                    return handle, gen, rows   # step_many runs it, in the shared forward where it fits
+                gen.run_prefill(rows)
+            else:
+                gen.prefill()
         except ValueError as exc:  # the engine's own request checks (context length, method)
             self._fail(handle, bad_request(str(exc)), "error")
             return None
@@ -331,7 +334,9 @@ class Scheduler:
         requests `starting` ride in it too (their prefill)."""
         if not slots and not starting:
             return
-        results = self.engine.step_many([slot.gen for slot in slots], [(gen, rows) for _, gen, rows in starting])
+        gens = [slot.gen for slot in slots]
+        results = self.engine.step_many(gens, [(gen, rows) for _, gen, rows in starting]) if starting else \
+            self.engine.step_many(gens)
         for slot, r in zip(slots, results):
             self._after_round(slot, r)
         for (handle, gen, _), r in zip(starting, results[len(slots):]):

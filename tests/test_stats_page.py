@@ -130,6 +130,9 @@ class FakeEngine:
     def start(self, request):
         return ReplayGeneration(self, request)
 
+    def rides_prefills(self):   # prefills run on their own here (Engine.prefill_rides)
+        return False
+
     def step_many(self, gens):
         return step_each(gens)
 

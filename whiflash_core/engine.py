@@ -247,11 +247,16 @@ class Engine:
         thread's time), while the default two-core server (steps on one thread, forwards of 8 rows
         or more on two) served 0.91x, and its first tokens came later (TTFT p50 0.18 -> 0.27 s), as
         an AMX Xeon's had at two threads (README)."""
-        if (self.large_threads or torch.get_num_threads()) != 1:
+        if not self.rides_prefills():
             return False
         stack = self.target.layer_stack
         limit = stack.max_rows if stack is not None else SHARED_PREFILL_MAX_ROWS
         return rows <= limit and rows < self.target.prefill_from_rows
+
+    def rides_prefills(self) -> bool:
+        """Whether prefills ride in shared steps at all here: where the target's forwards run on
+        one thread (`prefill_rides`)."""
+        return (self.large_threads or torch.get_num_threads()) == 1
 
     def shared_rows_limit(self) -> int:
         """The most rows a shared step takes with prefills riding in it: what one call of the layer
