@@ -334,9 +334,7 @@ class Scheduler:
         requests `starting` ride in it too (their prefill)."""
         if not slots and not starting:
             return
-        gens = [slot.gen for slot in slots]
-        results = self.engine.step_many(gens, [(gen, rows) for _, gen, rows in starting]) if starting else \
-            self.engine.step_many(gens)
+        results = self.engine.step_many([slot.gen for slot in slots], [(gen, rows) for _, gen, rows in starting])
         for slot, r in zip(slots, results):
             self._after_round(slot, r)
         for (handle, gen, _), r in zip(starting, results[len(slots):]):

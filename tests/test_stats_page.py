@@ -133,7 +133,7 @@ class FakeEngine:
     def rides_prefills(self):   # prefills run on their own here (Engine.prefill_rides)
         return False
 
-    def step_many(self, gens):
+    def step_many(self, gens, prefills=()):   # no prefills come: rides_prefills is False
         return step_each(gens)
 
 

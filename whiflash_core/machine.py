@@ -242,8 +242,8 @@ def _timed_in_order(time_once, what: str) -> tuple[dict, float | None]:
     for the caller to cache with `_marks`: tables out of order the same way in two attempts in a row
     are the CPU's own shape (`reproduced`) and come as timed, the better of the two; tables still
     out of order after every attempt (MEASURE_ATTEMPTS, or fewer once they took MEASURE_BUDGET_S)
-    come as the lower envelope of each row count's best over the attempts; contended ones come as timed, read from below, and are cached
-    marked so (a later start that finds the machine quiet times them again, a busy one starts at
+    come as the lower envelope of each row count's best over the attempts; contended ones come as
+    timed, read from below, and are cached marked so (a later start that finds the machine quiet times them again, a busy one starts at
     once with them: `_cached`)."""
     previous, best, started = None, None, time.perf_counter()
     for attempt in range(1, MEASURE_ATTEMPTS + 1):
@@ -350,9 +350,8 @@ def _cache_at(model, length: int, capacity: int):
     positions where bf16 is emulated (AMD EPYC Zen 3, one thread), against ~1.5 s of timing."""
     cache = model.new_cache(capacity)
     gen = torch.Generator().manual_seed(0)
-    for buf in (cache.k, cache.v):
-        buf[:, :, :length] = torch.randn(buf[:, :, :length].shape, generator=gen).to(buf.dtype)
-    cache.length = length
+    k, v = (torch.randn(cache.k[:, :, :length].shape, generator=gen) for _ in range(2))
+    cache.load_prefix(k, v, length)
     return cache
 
 

@@ -347,8 +347,10 @@ class TargetModel(nn.Module):
             tap_tensor = torch.stack([captured[i] for i in taps], dim=1) if taps else None
         firsts = logits_from or [0] * len(segments)
         if any(firsts):   # the LM head only for the rows whose logits are asked for
-            bounds = torch.tensor([0] + [s.rows for s in segments]).cumsum(0).tolist()
-            keep = torch.cat([torch.arange(a + f, b) for a, b, f in zip(bounds, bounds[1:], firsts)])
+            keep, row = [], 0
+            for s, first in zip(segments, firsts):
+                keep += range(row + first, row + s.rows)
+                row += s.rows
             logits = self.logits(h[keep])
         else:
             logits = self.logits(h)
