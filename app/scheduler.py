@@ -203,8 +203,8 @@ class Scheduler:
 
     def _end_unstarted(self, handle: RequestHandle) -> None:
         """A request cancelled before it started: finished with no tokens."""
-        handle._push(Finished("cancelled", {}, {}, len(handle.request.prompt_ids), 0))
         self._record_finish(handle, handle.cancel_reason or "abort", time.perf_counter() - handle.arrival)
+        handle._push(Finished("cancelled", {}, {}, len(handle.request.prompt_ids), 0))
         self._publish("request_finished", handle, finish_reason=handle.cancel_reason or "abort")
 
     # -- the worker ---------------------------------------------------------------------------------
@@ -385,16 +385,18 @@ class Scheduler:
         if slot in self._active:
             self._active.remove(slot)
         stats, timing = gen.stats(), gen.timing()
-        handle._push(Finished(gen.finish_reason or "stop", stats, timing, gen.prompt_len, len(gen.output),
-                              gen.cached_tokens))
         reason = handle.cancel_reason if gen.finish_reason == "cancelled" and handle.cancel_reason else \
             gen.finish_reason or "stop"
+        # the place is free before the client hears the end: a client that sends its next request
+        # the moment it has this answer must not find the server still full (429)
         self._record_finish(handle, reason, time.perf_counter() - handle.arrival)
+        handle._push(Finished(gen.finish_reason or "stop", stats, timing, gen.prompt_len, len(gen.output),
+                              gen.cached_tokens))
         self._publish("request_finished", handle, finish_reason=reason, stats=stats, timing=timing)
 
     def _fail(self, handle: RequestHandle, error: APIError, reason: str) -> None:
+        self._release()   # before the client hears it (see _finish)
         handle._push(Failed(error))
-        self._release()
         if self.metrics:
             self.metrics.failed(reason)
         self._publish("request_finished", handle, finish_reason=reason, error=error.message)

@@ -380,6 +380,25 @@ def test_full_server_answers_429_then_recovers():
         assert client.chat.completions.create(model=MODEL, messages=HI).choices[0].finish_reason == "stop"
 
 
+def test_a_full_server_frees_the_place_before_the_client_hears_the_end(monkeypatch):
+    """One place (max_active=1, no queue): a client that sends its next request the moment the
+    last answer ended gets an answer, not a 429, however slowly the worker does its bookkeeping
+    after a request (the metrics, the events: slowed here to make the order matter)."""
+    app, tc = in_process(FakeEngine("x" * 3, chunk=1), max_active=1, max_queue=0)
+    scheduler = app.state.scheduler
+    record = scheduler._record_finish
+
+    def slow_record(*args, **kw):
+        time.sleep(0.3)
+        return record(*args, **kw)
+
+    monkeypatch.setattr(scheduler, "_record_finish", slow_record)
+    with tc:
+        client = openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=tc, max_retries=0)
+        for _ in range(3):
+            assert client.chat.completions.create(model=MODEL, messages=HI).choices[0].message.content == "xxx"
+
+
 def test_events_are_published_per_request():
     app = create_app(FakeEngine("hello world", chunk=4), Settings())
 
