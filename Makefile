@@ -24,8 +24,14 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(BIN)/whiflash serve --host 127.0.0.1 --port 8000
 
+# Two pytest-xdist workers, one test module each at a time (its module fixtures load once): alone,
+# pytest kept a 2-core CI machine busy on one core (CPU 99 %, most tests wait on one-thread
+# servers); each worker takes its share of the cores (tests/conftest.py). TEST_WORKERS=0: no xdist.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m 'not slow and not extended' --durations=15
+	$(BIN)/python -m pytest -q -m 'not slow and not extended' $(XDIST) --durations=15
 
 # The heavy end-to-end tests make test leaves out (a Ray cluster of two replicas); .ci/run runs them.
 test-extended: $(STAMP)
@@ -35,7 +41,7 @@ test-extended: $(STAMP)
 # without AVX-512 or native bf16 runs, approximated on any newer x86 CPU.
 AVX2_ENV := ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 test-avx2: $(STAMP)
-	$(AVX2_ENV) $(BIN)/python -m pytest -q -m 'numerics and not slow'
+	$(AVX2_ENV) $(BIN)/python -m pytest -q -m 'numerics and not slow' $(XDIST)
 
 bench: $(STAMP)
 	$(BIN)/whiflash bench --workload bench/workload_small.jsonl --out bench/results/small.json

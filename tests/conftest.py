@@ -22,6 +22,19 @@ REPO = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = float(os.environ.get("WHIFLASH_TEST_STARTUP_TIMEOUT", "300"))
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers: one alone kept a 2-core CI machine 99 %
+    busy on one core) each worker takes its share of the cores, so the workers' forwards do not
+    oversubscribe them; servers the tests start run on one thread anyway (start_server)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
+
+
 @pytest.fixture
 def one_torch_thread():
     """torch on one thread for the test, restored after (small training runs, reproducible and
