@@ -30,7 +30,8 @@ def pytest_configure(config):
     if workers > 1:
         import torch
 
-        share = max(1, (os.cpu_count() or 1) // workers)
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        share = max(1, cores // workers)
         torch.set_num_threads(share)
         os.environ.setdefault("OMP_NUM_THREADS", str(share))
 

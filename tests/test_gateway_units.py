@@ -382,8 +382,9 @@ def test_full_server_answers_429_then_recovers():
 
 def test_a_full_server_frees_the_place_before_the_client_hears_the_end(monkeypatch):
     """One place (max_active=1, no queue): a client that sends its next request the moment the
-    last answer ended gets an answer, not a 429, however slowly the worker does its bookkeeping
-    after a request (the metrics, the events: slowed here to make the order matter)."""
+    last answer ended gets an answer, not a 429. The worker frees the place (with the metrics,
+    `_record_finish`) before it pushes the end; freeing is slowed here so that the other order
+    would fail every time, not by chance."""
     app, tc = in_process(FakeEngine("x" * 3, chunk=1), max_active=1, max_queue=0)
     scheduler = app.state.scheduler
     record = scheduler._record_finish
