@@ -241,7 +241,18 @@ def step_each(gens) -> list:
     return results
 
 
-class FakeEngine:
+class StepsEachAlone:
+    """The scheduler's side of the engine for fake engines: each generation steps on its own
+    (step_each), and no prefill rides in a shared step (Engine.rides_prefills), so none is passed."""
+
+    def rides_prefills(self):
+        return False
+
+    def step_many(self, gens, prefills=()):
+        return step_each(gens)
+
+
+class FakeEngine(StepsEachAlone):
     model_name = "fake-model"
     max_context = 4096
     vocab_size = 0x110000  # CharTokenizer: token id = code point
@@ -255,12 +266,6 @@ class FakeEngine:
 
     def start(self, request):
         return ReplayGeneration(self, request)
-
-    def rides_prefills(self):   # prefills run on their own here (Engine.prefill_rides)
-        return False
-
-    def step_many(self, gens, prefills=()):   # no prefills come: rides_prefills is False
-        return step_each(gens)
 
 
 TOOL_REPLY = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '

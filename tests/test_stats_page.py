@@ -28,7 +28,7 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from app.main import create_app
-from test_gateway_units import step_each
+from test_gateway_units import StepsEachAlone
 from app.settings import Settings
 from whiflash_core.buffers import BufferPool
 from whiflash_core.rounds import Round, Tally
@@ -116,7 +116,7 @@ class ReplayGeneration:
         return {"total_s": 0.1}
 
 
-class FakeEngine:
+class FakeEngine(StepsEachAlone):
     model_name = "fake-model"
     max_context = 4096
     eos_ids = [0]
@@ -129,12 +129,6 @@ class FakeEngine:
 
     def start(self, request):
         return ReplayGeneration(self, request)
-
-    def rides_prefills(self):   # prefills run on their own here (Engine.prefill_rides)
-        return False
-
-    def step_many(self, gens, prefills=()):   # no prefills come: rides_prefills is False
-        return step_each(gens)
 
 
 def free_port() -> int:

@@ -243,8 +243,8 @@ def _timed_in_order(time_once, what: str) -> tuple[dict, float | None]:
     are the CPU's own shape (`reproduced`) and come as timed, the better of the two; tables still
     out of order after every attempt (MEASURE_ATTEMPTS, or fewer once they took MEASURE_BUDGET_S)
     come as the lower envelope of each row count's best over the attempts; contended ones come as
-    timed, read from below, and are cached marked so (a later start that finds the machine quiet times them again, a busy one starts at
-    once with them: `_cached`)."""
+    timed, read from below, and are cached marked so (a later start that finds the machine quiet
+    times them again, a busy one starts at once with them: `_cached`)."""
     previous, best, started = None, None, time.perf_counter()
     for attempt in range(1, MEASURE_ATTEMPTS + 1):
         tables, others = others_load(time_once)
