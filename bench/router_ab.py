@@ -11,7 +11,9 @@ Here one engine (one target, one set of drafters, one measured cost model) serve
 twice, the learned policy reading router A's MLP, then B's (`Engine.router_mlp`, read when a
 request starts), in the order A B B A for every second prompt so that a drift of the machine's
 speed falls on both arms alike (after one untimed generation per arm: a process's first runs cold).
-Without `--b` only router A runs. Each `--fixed` method is one more arm (that method every round,
+Without `--b` only router A runs. With `--b-retimed` arm B is router A's MLP with the cost
+model timed again now (`costs.measure(use_cache=False)`; the cached verify and context tables are
+rewritten): is the cached model a stale one that routes worse? Each `--fixed` method is one more arm (that method every round,
 its full draft length), in the same rotation.
 
 Reported per category and overall, per arm: tokens, acceptance length (tokens per round), rounds
@@ -33,6 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from whiflash_core import costs  # noqa: E402
 from whiflash_core.bench.cli import dump_json  # noqa: E402
 from whiflash_core.bench.report import git_info, machine_info  # noqa: E402
 from whiflash_core.bench.runners import drafter_rounds  # noqa: E402
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--a", default=SHIPPED_DRAFTERS, help="directory of router A's router_mlp.safetensors")
     p.add_argument("--b", default=None, help="directory of router B's router_mlp.safetensors (none: A alone)")
+    p.add_argument("--b-retimed", action="store_true",
+                   help="arm b: router A's MLP with the cost model timed again now instead of the cached one")
     p.add_argument("--fixed", default="", help="comma-separated single methods run beside (none, eagle3, ngram...)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--workload", default="../shared/data/bench/spec_bench.jsonl")
@@ -83,8 +88,15 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     engine = load_engine(None, args.drafters, "bfloat16", threads=args.threads, weights=args.weights)
-    routers = {"a": args.a, **({"b": args.b} if args.b else {})}
+    if args.b and args.b_retimed:
+        raise SystemExit("--b and --b-retimed are two uses of arm b: give one")
+    routers = {"a": args.a, **({"b": args.b or args.a} if args.b or args.b_retimed else {})}
     mlps = {arm: load_router_mlp(d, engine.target, engine.drafters) for arm, d in routers.items()}
+    cost_models = {arm: engine.costs for arm in mlps}
+    if args.b_retimed:
+        cost_models["b"] = costs.measure(engine, use_cache=False)
+        for arm, model in cost_models.items():
+            print(f"arm {arm} verify table (ms):", {r: round(t * 1e3, 2) for r, t in model.verify.table.items()})
     for arm, mlp in mlps.items():
         if mlp is None:
             raise SystemExit(f"no router MLP for this target in {routers[arm]}")
@@ -93,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(arm: str, ids: list[int]) -> dict:
         if arm in mlps:
-            engine.router_mlp = mlps[arm]
+            engine.router_mlp, engine.costs = mlps[arm], cost_models[arm]
             return decode(engine, ids, args.max_tokens, args.alpha)
         return decode(engine, ids, args.max_tokens, args.alpha, method=arm)
 

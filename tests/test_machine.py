@@ -71,6 +71,14 @@ def quiet_machine(monkeypatch):
     monkeypatch.setattr(machine, "_busy_seconds", lambda cpus: None)
 
 
+@pytest.fixture
+def no_spot_check(monkeypatch):
+    """The synthetic verify tables of a test stand for this machine's own timings: a start's spot
+    check of a cached one (real forwards of the tiny target, well under a millisecond) would find
+    every one of them stale."""
+    monkeypatch.setattr(machine, "_spot_verify", lambda target, taps, rows: {})
+
+
 def test_measure_times_the_candidates_and_caches_them(tmp_path, monkeypatch, quiet_machine):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     # A model this small is all noise on some CPUs (an AMX Xeon timed a 64-row bf16 forward at 87 ms,
@@ -99,7 +107,7 @@ def test_out_of_order_tables_are_spotted_and_read_from_below():
     assert envelope(quiet) == quiet
 
 
-def test_a_contended_verify_timing_is_timed_again_and_cached_from_its_best_times(tmp_path, monkeypatch, quiet_machine):
+def test_a_contended_verify_timing_is_timed_again_and_cached_from_its_best_times(tmp_path, monkeypatch, quiet_machine, no_spot_check):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     target = tiny_target(torch.float32)
     quiet = ({1: 3e-3, 4: 5e-3}, {4: 5e-3, 8: 9e-3})
@@ -133,7 +141,7 @@ def test_a_contended_verify_timing_is_timed_again_and_cached_from_its_best_times
 
 
 def test_an_out_of_order_timing_is_not_timed_again_once_the_attempts_took_the_budget(tmp_path, monkeypatch,
-                                                                                      quiet_machine):
+                                                                                      quiet_machine, no_spot_check):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(machine, "MEASURE_BUDGET_S", 0.0)   # as if the first attempt ran long (float32, one thread)
     target = tiny_target(torch.float32)
@@ -146,7 +154,7 @@ def test_an_out_of_order_timing_is_not_timed_again_once_the_attempts_took_the_bu
     assert verify_tables(target) == (table, shared) and len(calls) == 1   # and cached
 
 
-def test_a_cpu_that_runs_more_rows_faster_is_timed_twice_and_cached_as_it_runs(tmp_path, monkeypatch, quiet_machine):
+def test_a_cpu_that_runs_more_rows_faster_is_timed_twice_and_cached_as_it_runs(tmp_path, monkeypatch, quiet_machine, no_spot_check):
     """Seen on an AMX Xeon: a float32 verify of 16 rows ran faster than one of 12 in every attempt
     (the GEMM library changes kernels). Two attempts that agree are the CPU, not interference: the
     table is used as timed (the better of the two at each row count) and the next start reads it
@@ -191,7 +199,7 @@ def other_work(cores: float):
     return lambda cpus: time.process_time() + cores * (time.perf_counter() - t0)
 
 
-def test_timings_beside_other_work_are_timed_again_once_the_machine_is_quiet(tmp_path, monkeypatch):
+def test_timings_beside_other_work_are_timed_again_once_the_machine_is_quiet(tmp_path, monkeypatch, no_spot_check):
     """In order, but other processes kept more of our CPUs busy than our threads leave free: the
     timings are used and cached marked as contended (no retry); a start that still finds the
     machine busy reads them back at once, the first that finds it quiet times them again."""
@@ -217,6 +225,41 @@ def test_timings_beside_other_work_are_timed_again_once_the_machine_is_quiet(tmp
     # with one thread a CPU is ours alone: the same job beside it does not compete
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert not machine.contended(1.0) and machine.contended(1.3)
+
+
+def test_a_cached_verify_table_slower_than_this_start_runs_is_timed_again(tmp_path, monkeypatch, quiet_machine):
+    """Seen on an AMD EPYC Zen 3: a verify table cached beside other work that no check caught read
+    T(4) 11.2 ms where the machine ran 7.4. Each start times a few row counts again; a cached table
+    clearly slower than they run now is timed again, one within the slack (or faster: a busy start)
+    is read back."""
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    target = tiny_target(torch.float32)
+    inflated = ({1: 5.4e-3, 4: 11.2e-3}, {4: 11e-3, 8: 19e-3})
+    quiet = ({1: 5.4e-3, 4: 7.4e-3}, {4: 7.5e-3, 8: 13e-3})
+    timings, calls = iter([inflated, quiet]), []
+    monkeypatch.setattr(machine, "_time_verify", lambda *a: calls.append(1) or next(timings))
+    spot = {1: 5.5e-3, 4: 11.0e-3}   # what this start runs at SPOT_ROWS
+    monkeypatch.setattr(machine, "_spot_verify", lambda target, taps, rows: {r: spot[r] for r in rows})
+    assert verify_tables(target) == inflated and len(calls) == 1      # timed, cached
+    assert verify_tables(target) == inflated and len(calls) == 1      # the spot check agrees: read back
+    spot = {1: 5.1e-3, 4: 7.3e-3}   # T(4) now runs 1.5x faster than cached
+    assert verify_tables(target) == quiet and len(calls) == 2         # timed again
+    assert verify_tables(target) == quiet and len(calls) == 2         # and the new table cached
+    spot = {1: 9e-3, 4: 14e-3}      # a busy start runs slower: interference only adds time
+    assert verify_tables(target) == quiet and len(calls) == 2
+    assert machine._stale({1: 5e-3}, {1: 4.4e-3}) is False             # within SPOT_SLACK
+    assert machine._stale({1: 5e-3}, {1: 4.1e-3}) is True
+
+
+def test_the_spot_check_times_real_forwards(tmp_path, monkeypatch):
+    """_spot_verify runs the target's verify forwards at the asked row counts (not mocked here)."""
+    target = tiny_target(torch.float32)
+    forwards = []
+    real = type(target).forward
+    monkeypatch.setattr(type(target), "forward", lambda self, ids, *a, **k: forwards.append(len(ids)) or real(self, ids, *a, **k))
+    times = machine._spot_verify(target, (), (1, 4))
+    assert set(times) == {1, 4} and all(0 < t < 1 for t in times.values())
+    assert forwards.count(4) == machine.SPOT_REPS and forwards.count(1) >= 2 + machine.SPOT_REPS   # warm-up, then timed
 
 
 def test_other_work_is_read_from_the_cpus_we_may_run_on(tmp_path, monkeypatch):

@@ -261,17 +261,18 @@ BACKLOGS = (1, 8, 32)        # catch-up sizes timed per drafter
 MAX_TIMED_DRAFT = 16         # draft lengths timed: 1..min(this, the drafter's longest)
 
 
-def measure(engine, adaptive: bool = False, reps: int = 3) -> CostModel:
-    """The cost model of `engine` on this machine: the verify table (cached) and each drafter's
-    catch-up and draft lines, each point the best of `reps` runs (interference only adds time)."""
+def measure(engine, adaptive: bool = False, reps: int = 3, use_cache: bool = True) -> CostModel:
+    """The cost model of `engine` on this machine: the verify and context tables (cached; timed
+    again with `use_cache` off) and each drafter's catch-up and draft lines, each point the best of
+    `reps` runs (interference only adds time)."""
     import torch
 
     from .drafters.base import Context, DraftSampling
     from .machine import context_table, verify_tables
 
-    table, shared = verify_tables(engine.target, engine.tap_layers)
+    table, shared = verify_tables(engine.target, engine.tap_layers, use_cache)
     model = CostModel.with_table(table, adaptive=adaptive, shared=shared)
-    model.set_per_position(context_table(engine.target, engine.tap_layers))
+    model.set_per_position(context_table(engine.target, engine.tap_layers, use_cache))
     longest = min(max((d.max_draft_tokens for d in engine.drafters.values()), default=1), MAX_TIMED_DRAFT)
     capacity = CONTEXT + longest + 2
     device = engine.target.device

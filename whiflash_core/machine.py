@@ -111,6 +111,19 @@ REPEAT_SLACK = (1.10, 1e-3)
 # tables are cached marked so: a machine that stays busy starts at once with them, and the first
 # start that finds it quiet times them again.
 OTHERS_SLACK = 0.25
+# A table timed while other work ran can also pass all of that: the work came and went within the
+# attempt (too little on average to count as contended) or never showed in /proc/stat (a
+# hypervisor's other guests on a VM without steal accounting). Once cached it priced every round of
+# every later start: a 2-thread Q4_1 verify table on an AMD EPYC Zen 3 read T(4) = 11.2 ms where
+# the same machine ran it in 7.4 ms, and routed 47 % of Spec-Bench's rounds to plain decode (7 %
+# once timed again, bench/results/router_ab_retimed_zen3.json). So a start that finds a cached
+# verify table times these row counts again (a few forwards, after a short warm-up) and times the
+# whole table again where the cache reads any of them over SPOT_SLACK times slower than now.
+# Interference only adds time: a start that runs them slower (a busy machine now) keeps the cache.
+SPOT_ROWS = (1, 4)
+SPOT_SLACK = (1.15, 2e-4)
+SPOT_REPS = 5
+SPOT_WARMUP_S = 0.1   # warm-up forwards (one row) for at most this long, at least two
 
 
 @dataclass(frozen=True)
@@ -549,7 +562,7 @@ def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
     saved = _cached(path, use_cache)
     if saved is not None:
         tables = ({int(r): t for r, t in saved["table"].items()}, {int(r): t for r, t in saved["shared"].items()})
-        if _trusted(saved, tables):
+        if _trusted(saved, tables) and not _stale(tables[0], _spot_verify(target, taps, SPOT_ROWS)):
             return tables
     tables, others = _timed_in_order(
         lambda: dict(zip(("table", "shared"), _time_verify(target, taps, reps))), "verify")
@@ -590,6 +603,34 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
             shared[r] = _best_seconds(lambda: target.forward_many(rows, caches[:len(rows)], taps), caches[:len(rows)],
                                       CONTEXT, reps, sync, TIMING_BUDGET_S)
     return best, shared
+
+
+def _spot_verify(target, taps: tuple[int, ...], rows: tuple[int, ...]) -> dict[int, float]:
+    """{rows: seconds} of verify forwards timed now as `_time_verify` times them, for a few row
+    counts (SPOT_REPS each, after at most SPOT_WARMUP_S of warm-up): what a cached verify table is
+    checked against (`_stale`)."""
+    longest = max(rows)
+    ids = torch.randint(0, target.cfg.vocab_size, (CONTEXT + longest,),
+                        generator=torch.Generator().manual_seed(0)).to(target.device)
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    cache = _cache_at(target, CONTEXT, CONTEXT + longest)
+    with torch.inference_mode():
+        _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], cache, taps), [cache], CONTEXT, WARMUP_FORWARDS,
+                      sync, SPOT_WARMUP_S)
+        return {r: _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + r], cache, taps), [cache], CONTEXT, SPOT_REPS,
+                                 sync, TIMING_BUDGET_S) for r in rows}
+
+
+def _stale(table: dict[int, float], now: dict[int, float], slack: tuple[float, float] = SPOT_SLACK) -> bool:
+    """Does the cached `table` read some row count of `now` (timed this start) more than `slack`
+    slower? Then it was timed beside other work (see SPOT_ROWS) and is timed again."""
+    slow = {r: t for r, t in now.items() if r in table and table[r] > slack[0] * t + slack[1]}
+    if slow:
+        print("whiflash: the cached verify table reads " + ", ".join(
+            f"T({r}) = {table[r] * 1e3:.2f} ms" for r in slow) + " where this start ran " + ", ".join(
+            f"{t * 1e3:.2f} ms" for t in slow.values()) + ": timed beside other work; timing it again",
+            file=sys.stderr, flush=True)
+    return bool(slow)
 
 
 def _best_seconds(forward, caches, length: int, reps: int, sync, budget: float | None = None) -> float:
