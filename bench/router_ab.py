@@ -11,10 +11,10 @@ Here one engine (one target, one set of drafters, one measured cost model) serve
 twice, the learned policy reading router A's MLP, then B's (`Engine.router_mlp`, read when a
 request starts), in the order A B B A for every second prompt so that a drift of the machine's
 speed falls on both arms alike (after one untimed generation per arm: a process's first runs cold).
-Without `--b` only router A runs. With `--b-retimed` arm B is router A's MLP with the cost
-model timed again now (`costs.measure(use_cache=False)`; the cached verify and context tables are
-rewritten): is the cached model a stale one that routes worse? Each `--fixed` method is one more arm (that method every round,
-its full draft length), in the same rotation.
+Without `--b` only router A runs. With `--b-retimed` arm B is router A's MLP with the cost model
+timed again now (`costs.measure(use_cache=False)`; the cached verify and context tables are
+rewritten): does the cached model route worse than a fresh one? Each `--fixed` method is one more
+arm (that method every round, its full draft length), in the same rotation.
 
 Reported per category and overall, per arm: tokens, acceptance length (tokens per round), rounds
 by drafter, and tokens per second of the decode loop (prefill excluded) in wall time and in CPU

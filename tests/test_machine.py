@@ -107,7 +107,8 @@ def test_out_of_order_tables_are_spotted_and_read_from_below():
     assert envelope(quiet) == quiet
 
 
-def test_a_contended_verify_timing_is_timed_again_and_cached_from_its_best_times(tmp_path, monkeypatch, quiet_machine, no_spot_check):
+def test_a_contended_verify_timing_is_timed_again_and_cached_from_its_best_times(tmp_path, monkeypatch, quiet_machine,
+                                                                                 no_spot_check):
     monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
     target = tiny_target(torch.float32)
     quiet = ({1: 3e-3, 4: 5e-3}, {4: 5e-3, 8: 9e-3})
@@ -154,7 +155,8 @@ def test_an_out_of_order_timing_is_not_timed_again_once_the_attempts_took_the_bu
     assert verify_tables(target) == (table, shared) and len(calls) == 1   # and cached
 
 
-def test_a_cpu_that_runs_more_rows_faster_is_timed_twice_and_cached_as_it_runs(tmp_path, monkeypatch, quiet_machine, no_spot_check):
+def test_a_cpu_that_runs_more_rows_faster_is_timed_twice_and_cached_as_it_runs(tmp_path, monkeypatch, quiet_machine,
+                                                                                no_spot_check):
     """Seen on an AMX Xeon: a float32 verify of 16 rows ran faster than one of 12 in every attempt
     (the GEMM library changes kernels). Two attempts that agree are the CPU, not interference: the
     table is used as timed (the better of the two at each row count) and the next start reads it
@@ -227,7 +229,8 @@ def test_timings_beside_other_work_are_timed_again_once_the_machine_is_quiet(tmp
     assert not machine.contended(1.0) and machine.contended(1.3)
 
 
-def test_a_cached_verify_table_slower_than_this_start_runs_is_timed_again(tmp_path, monkeypatch, quiet_machine):
+def test_a_cached_verify_table_slower_than_this_start_runs_is_timed_again(tmp_path, monkeypatch,
+                                                                          quiet_machine):
     """Seen on an AMD EPYC Zen 3: a verify table cached beside other work that no check caught read
     T(4) 11.2 ms where the machine ran 7.4. Each start times a few row counts again; a cached table
     clearly slower than they run now is timed again, one within the slack (or faster: a busy start)
@@ -251,12 +254,16 @@ def test_a_cached_verify_table_slower_than_this_start_runs_is_timed_again(tmp_pa
     assert machine._stale({1: 5e-3}, {1: 4.1e-3}) is True
 
 
-def test_the_spot_check_times_real_forwards(tmp_path, monkeypatch):
+def test_the_spot_check_times_real_forwards(monkeypatch):
     """_spot_verify runs the target's verify forwards at the asked row counts (not mocked here)."""
     target = tiny_target(torch.float32)
-    forwards = []
-    real = type(target).forward
-    monkeypatch.setattr(type(target), "forward", lambda self, ids, *a, **k: forwards.append(len(ids)) or real(self, ids, *a, **k))
+    forwards, real = [], type(target).forward
+
+    def counted(self, ids, *args, **kwargs):
+        forwards.append(len(ids))
+        return real(self, ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(target), "forward", counted)
     times = machine._spot_verify(target, (), (1, 4))
     assert set(times) == {1, 4} and all(0 < t < 1 for t in times.values())
     assert forwards.count(4) == machine.SPOT_REPS and forwards.count(1) >= 2 + machine.SPOT_REPS   # warm-up, then timed
