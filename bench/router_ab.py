@@ -14,7 +14,8 @@ speed falls on both arms alike (after one untimed generation per arm: a process'
 Without `--b` only router A runs. With `--b-retimed` arm B is router A's MLP with the cost model
 timed again now (`costs.measure(use_cache=False)`; the cached verify and context tables are
 rewritten): does the cached model route worse than a fresh one? Each `--fixed` method is one more
-arm (that method every round, its full draft length), in the same rotation.
+arm (that method every round, its full draft length; `eagle3:1`: a draft length of 1), in the same
+rotation.
 
 Reported per category and overall, per arm: tokens, acceptance length (tokens per round), rounds
 by drafter, and tokens per second of the decode loop (prefill excluded) in wall time and in CPU
@@ -46,10 +47,11 @@ from whiflash_core.loading import SHIPPED_DRAFTERS, load_engine, load_router_mlp
 
 
 def decode(engine, ids: list[int], max_tokens: int, alpha: float, method: str = "whiflash") -> dict:
-    """One greedy generation (`whiflash` with the learned policy, or a fixed `method`); the decode
-    loop timed (wall and this thread's CPU)."""
-    g = engine.start(GenerationRequest(ids, max_tokens, speculation=SpeculationConfig(method, alpha=alpha,
-                                                                                      policy="learned")))
+    """One greedy generation (`whiflash` with the learned policy, or a fixed `method`, "METHOD:K"
+    for a draft length K other than its default); the decode loop timed (wall and this thread's CPU)."""
+    method, _, k = method.partition(":")
+    spec = SpeculationConfig(method, alpha=alpha, policy="learned", num_draft_tokens=int(k) if k else None)
+    g = engine.start(GenerationRequest(ids, max_tokens, speculation=spec))
     g.prefill()
     wall, cpu = time.perf_counter(), time.thread_time()
     while not g.finished and g.step() is not None:
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", default=None, help="directory of router B's router_mlp.safetensors (none: A alone)")
     p.add_argument("--b-retimed", action="store_true",
                    help="arm b: router A's MLP with the cost model timed again now instead of the cached one")
-    p.add_argument("--fixed", default="", help="comma-separated single methods run beside (none, eagle3, ngram...)")
+    p.add_argument("--fixed", default="", help="comma-separated single methods run beside (none, eagle3, ngram...; METHOD:K drafts K tokens)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--workload", default="../shared/data/bench/spec_bench.jsonl")
     p.add_argument("--limit", type=int, default=3, help="prompts per category")
