@@ -623,12 +623,14 @@ def _spot_verify(target, taps: tuple[int, ...], rows: tuple[int, ...]) -> dict[i
 
 def _stale(table: dict[int, float], now: dict[int, float], slack: tuple[float, float] = SPOT_SLACK) -> bool:
     """Does the cached `table` read some row count of `now` (timed this start) more than `slack`
-    slower? Then it was timed beside other work (see SPOT_ROWS) and is timed again."""
+    slower? Then it was timed beside other work (see SPOT_ROWS), or by kernels a later build made
+    faster under the same cache key, and is timed again."""
     slow = {r: t for r, t in now.items() if r in table and table[r] > slack[0] * t + slack[1]}
     if slow:
         print("whiflash: the cached verify table reads " + ", ".join(
             f"T({r}) = {table[r] * 1e3:.2f} ms" for r in slow) + " where this start ran " + ", ".join(
-            f"{t * 1e3:.2f} ms" for t in slow.values()) + ": timed beside other work; timing it again",
+            f"{t * 1e3:.2f} ms" for t in slow.values()) + ": timed beside other work (or by slower kernels); "
+            "timing it again",
             file=sys.stderr, flush=True)
     return bool(slow)
 
