@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", default=None, help="directory of router B's router_mlp.safetensors (none: A alone)")
     p.add_argument("--b-retimed", action="store_true",
                    help="arm b: router A's MLP with the cost model timed again now instead of the cached one")
-    p.add_argument("--fixed", default="", help="comma-separated single methods run beside (none, eagle3, ngram...; METHOD:K drafts K tokens)")
+    p.add_argument("--fixed", default="",
+                   help="comma-separated single methods run beside (none, eagle3, ngram...; METHOD:K drafts K tokens)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--workload", default="../shared/data/bench/spec_bench.jsonl")
     p.add_argument("--limit", type=int, default=3, help="prompts per category")
