@@ -30,8 +30,9 @@ def pytest_configure(config):
     if workers > 1:
         import torch
 
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        share = max(1, cores // workers)
+        from whiflash_core.machine import _our_cpus   # the CPUs this process may run on
+
+        share = max(1, len(_our_cpus()) // workers)
         torch.set_num_threads(share)
         os.environ.setdefault("OMP_NUM_THREADS", str(share))
 

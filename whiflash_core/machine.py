@@ -576,11 +576,8 @@ def verify_tables(target, taps: tuple[int, ...] = (), use_cache: bool = True,
 
 def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, float], dict[int, float]]:
     """One timing of verify_tables' two tables (uncached)."""
-    cfg = target.cfg
     longest = max(max(VERIFY_ROWS), SHARED_SEGMENT_ROWS)
-    ids = torch.randint(0, cfg.vocab_size, (CONTEXT + longest,),
-                        generator=torch.Generator().manual_seed(0)).to(target.device)
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    ids, sync = _timing_inputs(target, CONTEXT + longest, seed=0)
     segments = max(SHARED_ROWS) // SHARED_SEGMENT_ROWS + 1
     caches = [_cache_at(target, CONTEXT, CONTEXT + longest) for _ in range(segments)]
     best: dict[int, float] = {}
@@ -592,8 +589,7 @@ def _time_verify(target, taps: tuple[int, ...], reps: int) -> tuple[dict[int, fl
         # read T(1) 5.4 ms, T(4) 5.4 ms, against 3.2 ms a plain step and 5.7 ms a 4-row EAGLE-3
         # verify in the Spec-Bench loop, so T(4) looked free and EAGLE-3 rounds were priced under
         # their cost.
-        _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], caches[0], taps), caches[:1], CONTEXT,
-                      WARMUP_FORWARDS, sync)
+        _warm_up(target, taps, ids, caches[0], sync)
         for r in VERIFY_ROWS:
             best[r] = _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + r], caches[0], taps), caches[:1], CONTEXT,
                                     reps, sync, TIMING_BUDGET_S)
@@ -610,13 +606,10 @@ def _spot_verify(target, taps: tuple[int, ...], rows: tuple[int, ...]) -> dict[i
     counts (SPOT_REPS each, after at most SPOT_WARMUP_S of warm-up): what a cached verify table is
     checked against (`_stale`)."""
     longest = max(rows)
-    ids = torch.randint(0, target.cfg.vocab_size, (CONTEXT + longest,),
-                        generator=torch.Generator().manual_seed(0)).to(target.device)
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    ids, sync = _timing_inputs(target, CONTEXT + longest, seed=0)
     cache = _cache_at(target, CONTEXT, CONTEXT + longest)
     with torch.inference_mode():
-        _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], cache, taps), [cache], CONTEXT, WARMUP_FORWARDS,
-                      sync, SPOT_WARMUP_S)
+        _warm_up(target, taps, ids, cache, sync, SPOT_WARMUP_S)
         return {r: _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + r], cache, taps), [cache], CONTEXT, SPOT_REPS,
                                  sync, TIMING_BUDGET_S) for r in rows}
 
@@ -633,6 +626,21 @@ def _stale(table: dict[int, float], now: dict[int, float], slack: tuple[float, f
             "timing it again",
             file=sys.stderr, flush=True)
     return bool(slow)
+
+
+def _timing_inputs(target, length: int, seed: int) -> tuple[torch.Tensor, object]:
+    """(ids, sync) for a timing of the loaded target: `length` random token ids on its device (a
+    timing needs shapes, not text) and the call that waits for the work, not its launch."""
+    ids = torch.randint(0, target.cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(seed))
+    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    return ids.to(target.device), sync
+
+
+def _warm_up(target, taps: tuple[int, ...], ids: torch.Tensor, cache, sync, budget: float | None = None) -> None:
+    """Untimed one-row forwards after CONTEXT cached positions of `cache` before a timing (a fresh
+    process's first ones run slow): WARMUP_FORWARDS, or fewer (two at least) once they took `budget`."""
+    _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], cache, taps), [cache], CONTEXT, WARMUP_FORWARDS, sync,
+                  budget)
 
 
 def _best_seconds(forward, caches, length: int, reps: int, sync, budget: float | None = None) -> float:
@@ -677,16 +685,12 @@ def context_table(target, taps: tuple[int, ...] = (), use_cache: bool = True, re
 def _time_context(target, taps: tuple[int, ...], reps: int) -> dict[int, float]:
     """One timing of context_table's table (uncached): each row count after CONTEXT and after
     LONG_CONTEXT cached positions, one row count at a time (as a decode loop runs them)."""
-    cfg = target.cfg
     longest = max(CONTEXT_ROWS)
-    ids = torch.randint(0, cfg.vocab_size, (LONG_CONTEXT + longest,),
-                        generator=torch.Generator().manual_seed(1)).to(target.device)
-    sync = torch.cuda.synchronize if target.device.type == "cuda" else (lambda: None)
+    ids, sync = _timing_inputs(target, LONG_CONTEXT + longest, seed=1)
     caches = {context: _cache_at(target, context, context + longest) for context in (CONTEXT, LONG_CONTEXT)}
     per_position: dict[int, float] = {}
     with torch.inference_mode():
-        _best_seconds(lambda: target(ids[CONTEXT:CONTEXT + 1], caches[CONTEXT], taps), [caches[CONTEXT]], CONTEXT,
-                      WARMUP_FORWARDS, sync)
+        _warm_up(target, taps, ids, caches[CONTEXT], sync)
         for r in CONTEXT_ROWS:
             best = {c: _best_seconds(lambda: target(ids[c:c + r], cache, taps), [cache], c, reps, sync,
                                      TIMING_BUDGET_S)
