@@ -13,9 +13,11 @@ request starts), in the order A B B A for every second prompt so that a drift of
 speed falls on both arms alike (after one untimed generation per arm: a process's first runs cold).
 Without `--b` only router A runs. With `--b-retimed` arm B is router A's MLP with the cost model
 timed again now (`costs.measure(use_cache=False)`; the cached verify and context tables are
-rewritten): does the cached model route worse than a fresh one? Each `--fixed` method is one more
-arm (that method every round, its full draft length; `eagle3:1`: a draft length of 1), in the same
-rotation.
+rewritten): does the cached model route worse than a fresh one? With `--b-router-ms X` arm B is
+router A's MLP with the router phase priced at X ms a round (the start-up model leaves it out:
+CostModel.router stays 0 unless the model is adaptive): would pricing it route better? Each
+`--fixed` method is one more arm (that method every round, its full draft length; `eagle3:1`: a
+draft length of 1), in the same rotation.
 
 Reported per category and overall, per arm: tokens, acceptance length (tokens per round), rounds
 by drafter, and tokens per second of the decode loop (prefill excluded) in wall time and in CPU
@@ -27,6 +29,7 @@ which the JSON counts as `identical` prompts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -78,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b", default=None, help="directory of router B's router_mlp.safetensors (none: A alone)")
     p.add_argument("--b-retimed", action="store_true",
                    help="arm b: router A's MLP with the cost model timed again now instead of the cached one")
+    p.add_argument("--b-router-ms", type=float, default=None,
+                   help="arm b: router A, the router phase priced at this many ms a round (0: left out)")
     p.add_argument("--fixed", default="",
                    help="comma-separated single methods run beside (none, eagle3, ngram...; METHOD:K drafts K tokens)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
@@ -91,15 +96,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     engine = load_engine(None, args.drafters, "bfloat16", threads=args.threads, weights=args.weights)
-    if args.b and args.b_retimed:
-        raise SystemExit("--b and --b-retimed are two uses of arm b: give one")
-    routers = {"a": args.a, **({"b": args.b or args.a} if args.b or args.b_retimed else {})}
+    uses_of_b = [args.b is not None, args.b_retimed, args.b_router_ms is not None]
+    if sum(uses_of_b) > 1:
+        raise SystemExit("--b, --b-retimed and --b-router-ms are uses of arm b: give one")
+    routers = {"a": args.a, **({"b": args.b or args.a} if any(uses_of_b) else {})}
     mlps = {arm: load_router_mlp(d, engine.target, engine.drafters) for arm, d in routers.items()}
     cost_models = {arm: engine.costs for arm in mlps}
     if args.b_retimed:
         cost_models["b"] = costs.measure(engine, use_cache=False)
         for arm, model in cost_models.items():
             print(f"arm {arm} verify table (ms):", {r: round(t * 1e3, 2) for r, t in model.verify.table.items()})
+    if args.b_router_ms is not None:
+        cost_models["b"] = dataclasses.replace(engine.costs, router=costs.RunningMean(args.b_router_ms * 1e-3, count=1))
+        print(f"router phase priced at {engine.costs.router.value * 1e3:.3f} ms (a), {args.b_router_ms:.3f} ms (b)")
     for arm, mlp in mlps.items():
         if mlp is None:
             raise SystemExit(f"no router MLP for this target in {routers[arm]}")
