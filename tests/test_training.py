@@ -195,7 +195,7 @@ def test_repeat_sources_weights_an_epoch(data_dir):
 
 # --------------------------------------------------------------------------- EAGLE-3 trainer
 
-def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
+def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path, monkeypatch):
     out = tmp_path / "e"
     s = eagle_settings(small_data_dir, out, val_every=30, lr=1e-2)
     summary = train(TE.build_task, "eagle3", s, target=target, quiet=True)
@@ -247,6 +247,19 @@ def test_eagle3_learns_and_exports(target, small_data_dir, data_dir, tmp_path):
     assert torch.equal(small.lm_head.weight, loaded.lm_head.weight[torch.searchsorted(full_ids, kept)])
     assert small.t2d.sum() == 16 and small.t2d[kept].all()
     assert "Shipped with the 16 most frequent" in (pruned / "README.md").read_text()
+
+    # weights over the per-file budget ship as shards, each under it, and load as the one file did
+    from whiflash_core.training import ship as ship_module
+    budget = (out / "eagle3" / "model.safetensors").stat().st_size * 2 // 3
+    monkeypatch.setattr(ship_module, "MAX_FILE_BYTES", budget)
+    sharded = Path(ship(str(out), "eagle3", str(tmp_path / "pruned"), None))   # over the pruned ship
+    files = sorted(f.name for f in sharded.iterdir() if f.name.startswith("model"))
+    assert files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                     "model.safetensors.index.json"], files
+    assert all((sharded / f).stat().st_size < budget for f in files)
+    again = Eagle3Drafter.load(str(sharded), target, torch.float32)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), loaded.state_dict().values()))
+    assert "in 2 files" in (sharded / "README.md").read_text()
 
 
 def test_eagle3_resume_after_kill_equals_straight_run(target, data_dir, tmp_path):

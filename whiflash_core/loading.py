@@ -8,6 +8,10 @@ Drafter directory layout (what `whiflash train` writes and what ships under mode
     DIR/router.json                               entropy thresholds from `whiflash bench`
     DIR/copy_prior.json                           prompt lookup's acceptance by copy run (`whiflash train copy-prior`)
     DIR/router_mlp.safetensors                    the learned policy's MLP (`whiflash train router`)
+
+A drafter's weights may instead be shards, model-0000i-of-0000N.safetensors with Hugging Face's
+model.safetensors.index.json (`whiflash train ship` writes them for weights over the per-file
+budget, drafters/checkpoint.MAX_FILE_BYTES, e.g. EAGLE-3 with a wide draft vocabulary).
 """
 from __future__ import annotations
 

@@ -31,7 +31,48 @@ def _load_one(file: str) -> dict[str, torch.Tensor]:
     return torch.load(file, map_location="cpu", weights_only=True)
 
 
-def save_state_dict(sd: dict[str, torch.Tensor], file: str, dtype=torch.bfloat16) -> None:
-    """Floating tensors in `dtype`; integer/bool buffers (d2t, t2d) keep theirs."""
+# a shipped weight file stays under this many bytes (the repository's budget per file); a drafter
+# with more is shipped in shards (save_state_dict's max_file_bytes)
+MAX_FILE_BYTES = 20_000_000
+INDEX = "model.safetensors.index.json"
+# room left in a file for its safetensors header (JSON: each tensor's name, dtype, shape, offsets)
+HEADER_BYTES, HEADER_BYTES_PER_TENSOR = 1024, 256
+
+
+def save_state_dict(sd: dict[str, torch.Tensor], file: str, dtype=torch.bfloat16,
+                    max_file_bytes: int | None = None) -> None:
+    """Floating tensors in `dtype`; integer/bool buffers (d2t, t2d) keep theirs. With
+    `max_file_bytes`, a state that does not fit one file goes into shards beside `file`
+    (model-00001-of-0000N.safetensors and model.safetensors.index.json, Hugging Face's layout,
+    which load_state_dict reads), tensors in order, each shard under the limit."""
     out = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
-    save_file(out, file, metadata={"format": "pt"})
+    directory = os.path.dirname(file) or "."
+    for name in weight_files(directory) if os.path.isdir(directory) else []:   # no stale shard or file
+        os.remove(os.path.join(directory, name))
+    nbytes = {k: v.numel() * v.element_size() for k, v in out.items()}
+    file_bytes = lambda keys: HEADER_BYTES + sum(nbytes[k] + HEADER_BYTES_PER_TENSOR for k in keys)  # noqa: E731
+    if max_file_bytes is None or file_bytes(out) <= max_file_bytes:
+        save_file(out, file, metadata={"format": "pt"})
+        return
+    shards: list[list[str]] = [[]]
+    for k in out:
+        if file_bytes([k]) > max_file_bytes:
+            raise ValueError(f"{k} alone ({nbytes[k]:,} bytes) is over the {max_file_bytes:,}-byte file limit")
+        if shards[-1] and file_bytes(shards[-1] + [k]) > max_file_bytes:
+            shards.append([])
+        shards[-1].append(k)
+    stem = os.path.basename(file).removesuffix(".safetensors")
+    names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for name, keys in zip(names, shards):
+        save_file({k: out[k] for k in keys}, os.path.join(directory, name), metadata={"format": "pt"})
+    index = {"metadata": {"total_size": sum(nbytes.values())},
+             "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
+    with open(os.path.join(directory, INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+
+
+def weight_files(path: str) -> list[str]:
+    """The names of the weight files in drafter directory `path`: model.safetensors, or the shards
+    and index of a sharded one."""
+    return sorted(f for f in os.listdir(path)
+                  if f == "model.safetensors" or f == INDEX or (f.startswith("model-") and f.endswith(".safetensors")))

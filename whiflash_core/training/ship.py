@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from ..cli_args import command_flags
-from ..drafters.checkpoint import load_state_dict, save_state_dict
+from ..drafters.checkpoint import MAX_FILE_BYTES, load_state_dict, save_state_dict, weight_files
 from .data import build_draft_vocab, data_dirs, load_examples
 from .dflash import DFlashSettings
 from .eagle3 import Eagle3Settings
@@ -110,9 +110,13 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
     if exported != ckpt["step"]:
         raise SystemExit(f"{run}/{name} was exported at step {exported} but the checkpoint is at step "
                          f"{ckpt['step']}: let the run finish (it exports at its last step) before shipping")
-    with safe_open(os.path.join(dest, "model.safetensors"), "pt") as f:
-        n_params = sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
-    size_mb = os.path.getsize(os.path.join(dest, "model.safetensors")) / 1e6
+    files = [os.path.join(dest, f) for f in weight_files(dest) if f.endswith(".safetensors")]
+    n_params = 0
+    for file in files:
+        with safe_open(file, "pt") as f:
+            n_params += sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
+    size_mb = sum(os.path.getsize(file) for file in files) / 1e6
+    in_files = f" in {len(files)} files, each under {MAX_FILE_BYTES / 1e6:.0f} MB" if len(files) > 1 else ""
     rows, n_samples, n_resp = data_table(s["data"], excluded)
     prior = ckpt.get("prior")
     flags = command_flags(SETTINGS[name], s, skip=("resume", "stop_at"))
@@ -126,7 +130,8 @@ def write_card(run: str, name: str, dest: str, bench: str | None) -> str:
         "The target's embedding (and, for DFlash, the LM-head rows of the draft vocabulary at init) "
         "is shared with the target and not stored.",
         "",
-        f"- Values stored: {n_params / 1e6:.2f} M ({size_mb:.1f} MB, bf16 weights plus the d2t/t2d vocabulary maps).",
+        f"- Values stored: {n_params / 1e6:.2f} M ({size_mb:.1f} MB{in_files}, bf16 weights plus the d2t/t2d "
+        "vocabulary maps).",
         f"- Draft vocabulary: {_vocab_origin(ckpt)} "
         f"({ckpt['vocab_coverage']:.1%} of the train split's response tokens).",
     ]
@@ -245,6 +250,8 @@ def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int 
     src = os.path.join(run, name)
     dest = os.path.join(to, name)
     os.makedirs(dest, exist_ok=True)
+    for f in weight_files(dest):   # a re-ship leaves no shard of the version before
+        os.remove(os.path.join(dest, f))
     for f in ("config.json", "model.safetensors"):
         shutil.copyfile(os.path.join(src, f), os.path.join(dest, f))
     if num_draft_tokens is not None:  # EAGLE-3's default chain length, as the speculators config holds it
@@ -260,6 +267,9 @@ def ship(run: str, name: str, to: str, bench: str | None, num_draft_tokens: int 
     _record_totals(dest, ckpt)
     if draft_vocab is not None:
         prune_draft_vocab(dest, ckpt["settings"], draft_vocab)
+    weights = os.path.join(dest, "model.safetensors")
+    if os.path.getsize(weights) > MAX_FILE_BYTES:   # a wide draft vocabulary: shards, each under the budget
+        save_state_dict(load_state_dict(dest), weights, max_file_bytes=MAX_FILE_BYTES)
     shutil.copyfile(os.path.join(run, f"{name}.loss.png"), os.path.join(dest, "loss.png"))
     card = write_card(run, name, dest, bench)
     with open(os.path.join(dest, "README.md"), "w") as f:
