@@ -15,7 +15,9 @@ Without `--b` only router A runs. With `--b-retimed` arm B is router A's MLP wit
 timed again now (`costs.measure(use_cache=False)`; the cached verify and context tables are
 rewritten): does the cached model route worse than a fresh one? With `--b-router-ms X` arm B is
 router A's MLP with the router phase priced at X ms a round (the start-up model leaves it out:
-CostModel.router stays 0 unless the model is adaptive): would pricing it route better? Each
+CostModel.router stays 0 unless the model is adaptive): would pricing it route better? With
+`--b-catch-up-share F`, arm B charges F of a drafter's pending catch-up to the round that picks
+it instead of costs.CATCH_UP_SHARE (1: all of it, as before that share). Each
 `--fixed` method is one more arm (that method every round, its full draft length; `eagle3:1`: a
 draft length of 1), in the same rotation.
 
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="arm b: router A's MLP with the cost model timed again now instead of the cached one")
     p.add_argument("--b-router-ms", type=float, default=None,
                    help="arm b: router A, the router phase priced at this many ms a round (0: left out)")
+    p.add_argument("--b-catch-up-share", type=float, default=None,
+                   help="arm b: router A, this share of a drafter's pending catch-up charged to its round")
     p.add_argument("--fixed", default="",
                    help="comma-separated single methods run beside (none, eagle3, ngram...; METHOD:K drafts K tokens)")
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
@@ -96,9 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     engine = load_engine(None, args.drafters, "bfloat16", threads=args.threads, weights=args.weights)
-    uses_of_b = [args.b is not None, args.b_retimed, args.b_router_ms is not None]
+    uses_of_b = [args.b is not None, args.b_retimed, args.b_router_ms is not None, args.b_catch_up_share is not None]
     if sum(uses_of_b) > 1:
-        raise SystemExit("--b, --b-retimed and --b-router-ms are uses of arm b: give one")
+        raise SystemExit("--b, --b-retimed, --b-router-ms and --b-catch-up-share are uses of arm b: give one")
     routers = {"a": args.a, **({"b": args.b or args.a} if any(uses_of_b) else {})}
     mlps = {arm: load_router_mlp(d, engine.target, engine.drafters) for arm, d in routers.items()}
     cost_models = {arm: engine.costs for arm in mlps}
@@ -109,6 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.b_router_ms is not None:
         cost_models["b"] = dataclasses.replace(engine.costs, router=costs.RunningMean(args.b_router_ms * 1e-3, count=1))
         print(f"router phase priced at {engine.costs.router.value * 1e3:.3f} ms (a), {args.b_router_ms:.3f} ms (b)")
+    if args.b_catch_up_share is not None:
+        cost_models["b"] = dataclasses.replace(engine.costs, catch_up_share=args.b_catch_up_share)
+        print(f"catch-up charged at {engine.costs.catch_up_share:g} (a), {args.b_catch_up_share:g} (b) of its time")
     for arm, mlp in mlps.items():
         if mlp is None:
             raise SystemExit(f"no router MLP for this target in {routers[arm]}")

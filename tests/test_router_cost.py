@@ -1,13 +1,15 @@
 """The cost policy's parts: the round-cost model, the expected-gain model and the choice rule."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tiny import VOCAB, tiny_engine
 from whiflash_core.acceptance import (AcceptanceModel, PositionRates, copy_situation, expected_tokens,
                                       expected_tokens_by_k, situation)
-from whiflash_core.costs import CostModel, LinearCost, VerifyCost
+from whiflash_core.costs import CATCH_UP_SHARE, CostModel, LinearCost, VerifyCost
 from whiflash_core.drafters.base import Context
 from whiflash_core.engine import GenerationRequest, SpeculationConfig
 from whiflash_core.rounds import Round, RoundTimes
@@ -69,9 +71,29 @@ def test_round_time_adds_catch_up_draft_and_verify():
     for x in (1, 10):
         model.catch_up["d"].add(x, 0.0001 * x, decay=1.0)
         model.draft["d"].add(x, 0.001 * x, decay=1.0)
-    assert model.round_time("d", 3, 10) == pytest.approx(0.001 + 0.003 + 0.013)
+    # the catch-up at its share (it serves the rounds after it too)
+    assert model.round_time("d", 3, 10) == pytest.approx(CATCH_UP_SHARE * 0.001 + 0.003 + 0.013)
     assert model.round_time("d", 3, 0) == pytest.approx(0.003 + 0.013)   # nothing to catch up on
     assert model.round_time(None, 0, 0) == pytest.approx(0.010)           # a plain step
+    model.catch_up_share = 1.0
+    assert model.round_time("d", 3, 10) == pytest.approx(0.001 + 0.003 + 0.013)
+
+
+def test_a_drafter_that_sat_out_is_not_priced_out_by_its_growing_backlog():
+    """An idle drafter's catch-up grows with every round it sits out. Charged in full to the round
+    that picks it, a drafter that pays (here 1.6 tokens for 13.9 ms against 1 for 10 ms) loses to a
+    plain step once its backlog is long enough, and its backlog then only grows; at the share it
+    is picked again."""
+    model = CostModel.with_table({1: 0.010, 2: 0.011, 3: 0.012, 4: 0.013})
+    model.catch_up["d"], model.draft["d"] = LinearCost(), LinearCost()
+    for x in (1, 32):
+        model.catch_up["d"].add(x, 0.0006 + 0.00002 * x, decay=1.0)   # Zen 3's EAGLE-3 line, rounded
+        model.draft["d"].add(x, 0.0003 * x, decay=1.0)
+    gain, plain = 1.6, 1.0 / model.round_time(None, 0, 0)
+    assert gain / model.round_time("d", 3, 0) > plain                  # it pays when caught up
+    full = dataclasses.replace(model, catch_up_share=1.0)
+    assert gain / full.round_time("d", 3, 200) < plain                 # ...but not after 200 idle positions
+    assert gain / model.round_time("d", 3, 200) > plain                # at the share it still does
 
 
 def test_a_shared_step_is_priced_by_the_table_less_its_attention_plus_each_requests_own():

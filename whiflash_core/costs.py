@@ -15,6 +15,9 @@ The expected time of a round that drafts k tokens with drafter d is
   backlog when next picked).
 - `router`: the router phase itself (the same for every candidate).
 
+The catch-up is priced at CATCH_UP_SHARE of its time: it is paid once, for every round after it
+that keeps the drafter (see CATCH_UP_SHARE).
+
 A shared step (several requests' verify rows in one forward, router.choose_shared) is priced by a
 second table, `shared`: the forward's time by its total rows, timed at start-up over requests of a
 few rows each (`machine.verify_tables`), less those requests' attention (`shared_forward`), plus
@@ -55,6 +58,16 @@ from .machine import CONTEXT, SHARED_SEGMENT_ROWS   # the tables' context and sh
 from .rounds import RoundTimes
 
 DECAY = 0.95         # weight of the past per observation: about the last 20 rounds count
+# The share of a drafter's pending catch-up (Lazy Catch-up: the verified positions it has not seen)
+# charged to the round that picks it. The catch-up is paid once and serves every round after it
+# that keeps the drafter, so charging all of it to one round overprices the drafter, and more with
+# every round it sits out (its backlog only grows): after a run of plain steps EAGLE-3 priced itself
+# out for the rest of a request (Spec-Bench math on a Zen 3: 1 % EAGLE-3 rounds, 0.77x EAGLE-3
+# alone). A quarter, against all of it, one process, A B B A, AMD EPYC Zen 3, 2 threads
+# (bench/router_ab.py --b-catch-up-share 1; bench/results/catch_up_share_ab_zen3*.json): Spec-Bench
+# 1.027x and 1.006x the tokens/s in two runs (acceptance 1.43 -> 1.55, 1.57 -> 1.64), the agentic
+# workload 1.031x (2.45 -> 2.53); none of it (0) 1.059x in one run.
+CATCH_UP_SHARE = 0.25
 MIN_SECONDS = 1e-6   # floor for a round time, so g / t ** alpha is always defined
 
 
@@ -177,6 +190,8 @@ class CostModel:
     # a shared step's context term (module docstring): verify rows -> seconds per cached
     # position; empty: a shared step priced by the table alone
     per_position: dict[int, float] = field(default_factory=dict)
+    # the share of a drafter's pending catch-up charged to the round that picks it (CATCH_UP_SHARE)
+    catch_up_share: float = CATCH_UP_SHARE
     _per_row: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)   # memo
 
     @classmethod
@@ -232,7 +247,7 @@ class CostModel:
     def _drafting_line(self, drafter: str, backlog: int) -> tuple[float, float, float]:
         """(catch-up seconds for `backlog`, a, b) with drafting k tokens = catch-up + a + b k."""
         catch_up, draft = self.catch_up.get(drafter), self.draft.get(drafter)
-        return (catch_up(backlog) if catch_up and backlog > 0 else 0.0,
+        return (self.catch_up_share * catch_up(backlog) if catch_up and backlog > 0 else 0.0,
                 *(draft.coefficients() if draft else (0.0, 0.0)))
 
     def round_time(self, drafter: str | None, k: int, backlog: int, verify: list[float] | None = None) -> float:
