@@ -64,9 +64,9 @@ DECAY = 0.95         # weight of the past per observation: about the last 20 rou
 # every round it sits out (its backlog only grows): after a run of plain steps EAGLE-3 priced itself
 # out for the rest of a request (Spec-Bench math on a Zen 3: 1 % EAGLE-3 rounds, 0.77x EAGLE-3
 # alone). A quarter, against all of it, one process, A B B A, AMD EPYC Zen 3, 2 threads
-# (bench/router_ab.py --b-catch-up-share 1; bench/results/catch_up_share_ab_zen3*.json): Spec-Bench
-# 1.027x and 1.006x the tokens/s in two runs (acceptance 1.43 -> 1.55, 1.57 -> 1.64), the agentic
-# workload 1.031x (2.45 -> 2.53); none of it (0) 1.059x in one run.
+# (bench/router_ab.py --b-catch-up-share 1; bench/results/catch_up_share_ab{,_agentic}_zen3.json):
+# Spec-Bench 1.018x the tokens/s (acceptance 1.40 -> 1.52), the agentic workload 1.029x (2.21 ->
+# 2.44); three runs before it landed 1.027x, 1.006x and 1.031x; none of it (0) 1.059x in one run.
 CATCH_UP_SHARE = 0.25
 MIN_SECONDS = 1e-6   # floor for a round time, so g / t ** alpha is always defined
 

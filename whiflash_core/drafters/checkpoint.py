@@ -34,7 +34,6 @@ def _load_one(file: str) -> dict[str, torch.Tensor]:
 # a shipped weight file stays under this many bytes (the repository's budget per file); a drafter
 # with more is shipped in shards (save_state_dict's max_file_bytes)
 MAX_FILE_BYTES = 20_000_000
-INDEX = "model.safetensors.index.json"
 # room left in a file for its safetensors header (JSON: each tensor's name, dtype, shape, offsets)
 HEADER_BYTES, HEADER_BYTES_PER_TENSOR = 1024, 256
 
@@ -47,7 +46,8 @@ def save_state_dict(sd: dict[str, torch.Tensor], file: str, dtype=torch.bfloat16
     which load_state_dict reads), tensors in order, each shard under the limit."""
     out = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in sd.items()}
     directory = os.path.dirname(file) or "."
-    for name in weight_files(directory) if os.path.isdir(directory) else []:   # no stale shard or file
+    stem = os.path.basename(file).removesuffix(".safetensors")
+    for name in weight_files(directory, stem) if os.path.isdir(directory) else []:   # no stale shard or file
         os.remove(os.path.join(directory, name))
     nbytes = {k: v.numel() * v.element_size() for k, v in out.items()}
     file_bytes = lambda keys: HEADER_BYTES + sum(nbytes[k] + HEADER_BYTES_PER_TENSOR for k in keys)  # noqa: E731
@@ -61,18 +61,17 @@ def save_state_dict(sd: dict[str, torch.Tensor], file: str, dtype=torch.bfloat16
         if shards[-1] and file_bytes(shards[-1] + [k]) > max_file_bytes:
             shards.append([])
         shards[-1].append(k)
-    stem = os.path.basename(file).removesuffix(".safetensors")
     names = [f"{stem}-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     for name, keys in zip(names, shards):
         save_file({k: out[k] for k in keys}, os.path.join(directory, name), metadata={"format": "pt"})
     index = {"metadata": {"total_size": sum(nbytes.values())},
              "weight_map": {k: name for name, keys in zip(names, shards) for k in keys}}
-    with open(os.path.join(directory, INDEX), "w") as f:
+    with open(os.path.join(directory, f"{stem}.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
 
 
-def weight_files(path: str) -> list[str]:
+def weight_files(path: str, stem: str = "model") -> list[str]:
     """The names of the weight files in drafter directory `path`: model.safetensors, or the shards
-    and index of a sharded one."""
-    return sorted(f for f in os.listdir(path)
-                  if f == "model.safetensors" or f == INDEX or (f.startswith("model-") and f.endswith(".safetensors")))
+    and index of a sharded one (`stem` in place of "model" for other names)."""
+    return sorted(f for f in os.listdir(path) if f in (f"{stem}.safetensors", f"{stem}.safetensors.index.json")
+                  or (f.startswith(f"{stem}-") and f.endswith(".safetensors")))
