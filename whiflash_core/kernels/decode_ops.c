@@ -1039,30 +1039,29 @@ int attend_segments_bf16(const uint16_t *qkv, const uint16_t *cos, const uint16_
 // thread pool and all, it measured ~200 us of a ~6 ms round.)
 #define SOFTMAX_SPANS 8
 
+// Cephes' exp2f polynomial for 2^f, f in [-0.5, 0.5], highest power first (Horner): the one
+// definition both vector widths of exp_nonpositive below evaluate, in the same order
+static const float EXP2_POLY[] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                  5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
+#define EXP2_TERMS (int)(sizeof EXP2_POLY / sizeof EXP2_POLY[0])
+
 #if defined(__AVX512F__)
 // e^t for t in [-87.3, 0] (softmax_span clamps there), 16 lanes: 2^(t log2 e) = 2^i 2^f with i
-// the nearest integer and f in [-0.5, 0.5], 2^f by Cephes' exp2f polynomial (relative error ~2e-7
-// over f's range; t log2 e rounds off ~6e-8 |t log2 e| of f, so terms far below the top lose a
-// few more bits of a value that is then < 2^-60 of it), 2^i by scalef: 10 instructions a vector
-// where exp16's range reduction and exponent assembly take 17 (softmax_stats_f32 of a 49,152-logit
-// row, one thread, Sapphire Rapids: 16.7 -> 11.6 us with the row in cache, 33.9 -> 27.7 us cold).
+// the nearest integer and f in [-0.5, 0.5], 2^f by EXP2_POLY (relative error ~2e-7 over f's
+// range; t log2 e rounds off ~6e-8 |t log2 e| of f, so terms far below the top lose a few more
+// bits of a value that is then < 2^-60 of it), 2^i by scalef: 10 instructions a vector where
+// exp16's range reduction and exponent assembly take 17 (softmax_stats_f32 of a 49,152-logit row,
+// one thread, Sapphire Rapids: 16.7 -> 11.6 us with the row in cache, 33.9 -> 27.7 us cold).
 // Not exp16 with other constants: exp16 must take any x (attention scores), this only t <= 0.
 static inline __m512 exp16_nonpositive(__m512 t) {
     const __m512 x = _mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f));
     const __m512 i = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, i);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(EXP2_POLY[0]);
+    for (int j = 1; j < EXP2_TERMS; j++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(EXP2_POLY[j]));
     return _mm512_scalef_ps(p, i);
 }
-#endif
-
-#if !defined(__AVX512F__)
+#else
 // exp16_nonpositive in 8 lanes: 2^i by adding i to p's exponent bits (AVX2 has no scalef; p lies in
 // [0.7, 1.5] and i >= -126 over t's range, so the sum is a normal float). 12 instructions a vector
 // where exp8 takes 20: softmax_stats_f32 of a 49,152-logit row, one thread, AMD EPYC Zen 3, 29 ->
@@ -1071,13 +1070,8 @@ static inline __m256 exp8_nonpositive(__m256 t) {
     const __m256 x = _mm256_mul_ps(t, _mm256_set1_ps(1.44269504088896341f));
     const __m256 i = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 f = _mm256_sub_ps(x, i);
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(EXP2_POLY[0]);
+    for (int j = 1; j < EXP2_TERMS; j++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(EXP2_POLY[j]));
     const __m256i e = _mm256_slli_epi32(_mm256_cvtps_epi32(i), 23);
     return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), e));
 }
