@@ -6,6 +6,7 @@
 # only figures of one sitting are compared.
 #
 #   bench/load_ab.sh OUT.json REF [ROUNDS] [SECONDS]
+#   (TILES_ARM=0: no tiles-off arm, on a machine without AMX where it is the working tree again)
 #   bench/load_ab.sh bench/results/load_ab_tiles_xeon.json fc0e04f 2 25
 set -euo pipefail
 OUT=$1; REF=$2; ROUNDS=${3:-2}; SECONDS_PER_RUN=${4:-25}
@@ -29,7 +30,7 @@ one() {   # LABEL CODE_DIR [ENV=VALUE ...]
 for round in $(seq "$ROUNDS"); do
   one "ref_$round" "$WORK/ref"
   one "new_$round" "$ROOT"
-  one "new_tiles_off_$round" "$ROOT" WHIFLASH_TILES=0
+  if [ "${TILES_ARM:-1}" != 0 ]; then one "new_tiles_off_$round" "$ROOT" WHIFLASH_TILES=0; fi
 done
 
 "$PY" - "$OUT" "$REF" "$WORK" "$*" <<'EOF'
@@ -45,6 +46,8 @@ table = {label: [{k: r.get(k) for k in ("streams",) + keys} for r in d["runs"]] 
 summary = {}
 for kind in ("ref", "new", "new_tiles_off"):
     mine = [v for k, v in table.items() if k.rsplit("_", 1)[0] == kind]
+    if not mine:   # TILES_ARM=0
+        continue
     for i, streams in enumerate((1, 8)):
         summary[f"{kind}_{streams}_streams_tokens_per_s_mean"] = round(statistics.mean(r[i]["total_tokens_per_s"] for r in mine), 1)
         summary[f"{kind}_{streams}_streams_requests_mean"] = round(statistics.mean(r[i]["requests"] for r in mine), 1)

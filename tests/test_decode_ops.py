@@ -273,6 +273,40 @@ def test_argmax_rows_is_torch_argmax_ties_nans_and_all():
     assert decode_ops.argmax_rows(x.double()) is None
 
 
+def test_argmax_rows_within_a_grammar_s_packed_masks_is_torch_argmax_of_the_masked_logits():
+    """With a grammar's packed masks (xgrammar's layout: bit b of word w allows token 32 w + b) the
+    C argmax reads the row as masked_fill(~mask, -inf) would leave it: ties, NaNs (a forbidden one
+    does not count), every token forbidden, a row all -inf where allowed, ids past the mask."""
+    torch.manual_seed(2)
+    rows, V = 7, 49152
+    x = torch.randn(rows, V)
+    allowed = torch.randint(-2**31, 2**31 - 1, (rows, V // 32), dtype=torch.int32)   # random bits
+    allowed[0] = -1                                  # all allowed
+    x[1, [300, 9000]] = 50.0                         # a tie among allowed tokens: the first
+    allowed[1, 300 // 32] |= 1 << (300 % 32)
+    allowed[1, 9000 // 32] |= 1 << (9000 % 32)
+    x[2, 5] = 80.0                                   # the largest is forbidden
+    allowed[2, 0] &= ~(1 << 5)
+    x[3, [70, 40000]] = float("nan")                 # a forbidden NaN, then an allowed one
+    allowed[3, 70 // 32] &= ~(1 << (70 % 32))
+    allowed[3, 40000 // 32] |= 1 << (40000 % 32)
+    allowed[4] = 0                                   # nothing allowed: every logit -inf, index 0
+    x[5] = float("-inf")
+    allowed[6, -1] = -1
+    x[6, V - 1] = 99.0                               # past the last whole vector
+    bits = (allowed.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    mask = bits.view(rows, -1).bool()
+    expected = x.masked_fill(~mask, float("-inf")).argmax(-1).tolist()
+    assert decode_ops.argmax_rows(x, allowed) == expected
+    assert expected[2] != 5 and expected[3] == 40000 and expected[4] == 0
+    # a padded head: logits past the mask's 32 * words tokens are never chosen
+    wide = torch.cat([x, torch.full((rows, 40), 1e9)], dim=1)
+    assert decode_ops.argmax_rows(wide, allowed) == expected
+    small = torch.tensor([[1.0, 3.0, 3.0, 7.0]])
+    assert decode_ops.argmax_rows(small, torch.tensor([[0b0110]], dtype=torch.int32)) == [1]
+    assert decode_ops.argmax_rows(x, allowed.long()) is None and decode_ops.argmax_rows(x, allowed[:2]) is None
+
+
 def test_refining_the_top_logits_in_c_is_pytorch_s_refinement():
     """TargetModel.logits' refinement: the k largest of each row become their float32 dot products,
     everything else stays as the light head computed it."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from test_gateway import MODEL, TOOLS, WEATHER_Q, check_args, collect_stream
 
@@ -58,6 +59,36 @@ def test_lazy_grammar_leaves_text_free_and_constrains_a_call_once_opened(grammar
         assert not accepts(tok, lazy, markup), markup
     # parallel false: one call ends the turn
     assert not accepts(tok, lazy, CALL + "\n<tool_call>")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_packed_masks_forbid_exactly_what_the_unpacked_ones_do(grammars, dtype):
+    """The engine's grammar masks stay packed (GrammarConstraint.bitmasks): mask_logits (xgrammar's
+    CPU kernel; its plain-torch one for float64) sets -inf exactly where the bool masks forbid, on
+    a copy, and ids past the tokenizer's (a padded LM head) too; the greedy verify reading the
+    packed rows in place (float32: the C argmax) chooses what argmax of the masked copy chooses."""
+    from whiflash_core.sampling import mask_logits, verify_greedy
+
+    tok, g, eos = grammars
+    lazy = g.lazy_tool_calls(TOOLS, parallel=False)
+    ids = tok("Let me check.\n" + CALL, add_special_tokens=False)["input_ids"]
+    forbidden = 0
+    for draft in (ids[:0], ids[:4], ids[:16], ids):   # free text, the trigger, inside the call
+        packed, masks = lazy.bitmasks(draft), lazy.masks(draft)
+        m = len(draft) + 1
+        assert packed.shape[0] == masks.shape[0] == m
+        logits = torch.randn(m, masks.shape[1] + 64, generator=torch.Generator().manual_seed(m)).to(dtype)
+        before = logits.clone()
+        out = mask_logits(logits, packed)
+        expected = logits[:, : masks.shape[1]].masked_fill(~masks, float("-inf"))
+        assert torch.equal(out[:, : masks.shape[1]], expected)
+        assert torch.isneginf(out[:, masks.shape[1]:]).all()
+        assert torch.equal(logits, before)   # the engine's logits stay as the target gave them
+        assert masks.any(dim=1).all()
+        forbidden += int((~masks).sum())
+        d = torch.tensor(draft[: m - 1], dtype=torch.long)
+        assert verify_greedy(d, logits, packed) == verify_greedy(d, out)
+    assert forbidden > 0   # inside the call most tokens are forbidden: the comparison bites
 
 
 @pytest.mark.parametrize("kind", ["lazy", "forced"])

@@ -38,7 +38,7 @@ from .rounds import Round, RoundTimes, Tally
 from .router import (LOOKUP, METHODS, Candidate, Method, Route, Router, RouterCalibration, available_methods, best,
                      choose_shared)
 from .router_mlp import RouterMLP
-from .sampling import SamplingParams, target_probs, verify_greedy, verify_sampling
+from .sampling import SamplingParams, mask_logits, target_probs, verify_greedy, verify_sampling
 from .target import TargetModel, TargetOutput
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,10 @@ class Constraint(Protocol):
     """Grammar constraint on the output (e.g. JSON for tool calls). Implementations must be able
     to look ahead along a draft without committing (xgrammar's matcher can roll back)."""
 
-    def masks(self, draft: list[int]) -> torch.Tensor:
-        """Bool [m, V] allowed-token masks for rows 0..m-1 of a verification, where row i follows
-        draft[:i]; m-1 is the length of the longest draft prefix the grammar accepts."""
+    def bitmasks(self, draft: list[int]) -> torch.Tensor:
+        """Allowed-token masks for rows 0..m-1 of a verification, where row i follows draft[:i];
+        m-1 is the length of the longest draft prefix the grammar accepts. Packed as xgrammar packs
+        them: int32 [m, ceil(V / 32)], bit b of word w allows token 32 w + b (sampling.mask_logits)."""
 
     def advance(self, tokens: list[int]) -> None:
         """Commit emitted tokens."""
@@ -94,7 +95,7 @@ class RoundPlan:
     clock: _Clock
     draft: Draft | None = None
     failed: str | None = None    # the drafter that raised this round, if any
-    masks: torch.Tensor | None = None   # grammar masks [m, V] for the verify rows
+    masks: torch.Tensor | None = None   # grammar masks for the verify rows (Constraint.bitmasks)
     rows: torch.Tensor | None = None    # [k' + 1] token ids to verify: pending, d1..dk'
 
 
@@ -456,7 +457,7 @@ class Generation:
         if self.tap_layers:
             self.taps[m:p] = out.taps
         self._store_prefix()
-        masks = self.request.constraint.masks([]) if self.request.constraint else None
+        masks = self.request.constraint.bitmasks([]) if self.request.constraint else None
         logits = self._target_logits(out.logits[-1:], None)
         _, tok = self._verify(logits, None, masks)
         self.last_logits = out.logits[-1]
@@ -591,7 +592,7 @@ class Generation:
         """The round's last step before verification: a grammar constraint cuts the draft before the
         first token it forbids; the rows to verify are [pending, d1..dk]."""
         draft = plan.draft if plan.draft is not None else Draft(self.ids[:0])
-        masks = self.request.constraint.masks(draft.tokens.tolist()) if self.request.constraint else None
+        masks = self.request.constraint.bitmasks(draft.tokens.tolist()) if self.request.constraint else None
         if masks is not None:
             draft = Draft(draft.tokens[: masks.shape[0] - 1], draft.probs)
         plan.draft, plan.masks = draft, masks
@@ -659,14 +660,13 @@ class Generation:
 
     def _verify(self, logits: torch.Tensor, draft: Draft | None, masks: torch.Tensor | None) -> tuple[int, int]:
         """(accepted a, next token) for a draft (None: no draft) against target logits [k+1, V];
-        grammar masks [m, V] cut the rows to those the grammar allows."""
+        grammar masks (Constraint.bitmasks, m rows) cut the rows to those the grammar allows."""
         tokens = draft.tokens if draft is not None else torch.zeros(0, dtype=torch.long, device=self.device)
         if masks is not None:
-            logits = logits[: masks.shape[0]].masked_fill(~masks.to(logits.device), float("-inf"))
-            tokens = tokens[: masks.shape[0] - 1]
+            logits, tokens = logits[: masks.shape[0]], tokens[: masks.shape[0] - 1]
         if self.sampling.greedy:
-            return verify_greedy(tokens, logits)
-        probs = target_probs(logits, self.sampling)
+            return verify_greedy(tokens, logits, masks)
+        probs = target_probs(logits if masks is None else mask_logits(logits, masks), self.sampling)
         q = None if draft is None or draft.probs is None else draft.probs[: tokens.shape[0]]
         return verify_sampling(tokens, q, probs, self.generator)
 

@@ -58,14 +58,37 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> tuple[int, int]:
-    """(number of accepted draft tokens, next token) for draft [k] and target logits [k+1, V].
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """A copy of logits [m, V] with every token a grammar forbids at -inf. `allowed` is its packed
+    masks (Constraint.bitmasks: int32 [m, words] as xgrammar packs them, bit b of word w allows
+    token 32 w + b; ids past 32 words, a padded LM head's, are never allowed). xgrammar's kernels
+    apply them (its CPU one took ~60 us a row where unpacking to bool and masked_fill took ~240).
+    Imported here: masks come from a grammar, so xgrammar is loaded by then, and the engine core
+    alone (bench/gpu_check.py) stays without it."""
+    import xgrammar
+
+    out = logits.clone()
+    covered = min(out.shape[-1], 32 * allowed.shape[-1])
+    on_cpu = out.device.type == "cpu" and out.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    xgrammar.apply_token_bitmask_inplace(out, allowed.to(out.device), vocab_size=covered,
+                                         backend="cpu" if on_cpu else "torch_native")
+    out[:, covered:] = float("-inf")
+    return out
+
+
+def verify_greedy(draft: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[int, int]:
+    """(number of accepted draft tokens, next token) for draft [k] and target logits [k+1, V], the
+    target's choice at each row among the tokens a grammar's packed masks `allowed` [k+1, words]
+    permit (see mask_logits; None: every token).
 
     The target's choices and the draft are read to the host together: on a GPU that is the
     round's one wait for the device."""
     k = draft.shape[0]
-    choice = decode_ops.argmax_rows(logits)   # on the CPU one C pass a row (torch.argmax's ~80 us a row)
+    # on the CPU one C pass a row (torch.argmax's ~80 us a row), reading the grammar's mask in place
+    choice = decode_ops.argmax_rows(logits, allowed)
     if choice is None:
+        if allowed is not None:
+            logits = mask_logits(logits, allowed)
         both = torch.cat([logits.argmax(-1), draft]).tolist()
         choice, drafted = both[:k + 1], both[k + 1:]
     else:
