@@ -92,6 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafters", default=None, help="drafter directory (default: the shipped drafters)")
     p.add_argument("--workload", default="../shared/data/bench/spec_bench.jsonl")
     p.add_argument("--limit", type=int, default=3, help="prompts per category")
+    p.add_argument("--categories", help="comma-separated categories of the workload (default: all)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--alpha", type=float, default=1.0)
     p.add_argument("--threads", type=int, default=1)
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             return decode(engine, ids, args.max_tokens, args.alpha)
         return decode(engine, ids, args.max_tokens, args.alpha, method=arm)
 
-    prompts = load_workload(args.workload, limit=args.limit)
+    prompts = load_workload(args.workload, args.categories.split(",") if args.categories else None, args.limit)
     first = prompts[0].ids or encode_chat(engine.tokenizer, prompts[0].messages, prompts[0].tools)
     for arm in arms:   # warm-up, not counted: the first generation of a process runs cold
         run(arm, first)
