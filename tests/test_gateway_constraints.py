@@ -13,6 +13,7 @@ from whiflash_core.chat import encode_chat
 from whiflash_core.constraints import GrammarFactory
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
 from whiflash_core.loading import from_hf, load_hf_model, random_drafters
+from whiflash_core.sampling import SamplingParams
 
 # exact identity across methods in float32: rerun with the AVX2 kernels forced (.ci/run)
 pytestmark = pytest.mark.numerics
@@ -107,3 +108,25 @@ def test_masks_look_ahead_without_committing(real):
     assert end.shape[0] == 1 and end[0].nonzero().flatten().tolist() == engine.eos_ids  # only EOS left
     with pytest.raises(RuntimeError):
         grammars.json_schema(SCHEMA).advance(tok("nope", add_special_tokens=False)["input_ids"])
+
+
+@pytest.mark.parametrize("method", ["none", "whiflash"])
+def test_sampled_output_keeps_to_the_grammar(real, method):
+    """At temperature > 0 the rows are masked into a copy (sampling.mask_logits) before the
+    rejection sampler: every sampled answer is a complete JSON object of the schema, whatever the
+    seed, and the drafts' rows are masked too (whiflash)."""
+    engine, grammars = real
+    messages, tools, make = CASES["json-schema"]
+    ids = encode_chat(engine.tokenizer, messages, tools)
+    stopped = 0
+    for seed in range(3):
+        gen = engine.generate(GenerationRequest(ids, 64, sampling=SamplingParams(temperature=1.0, seed=seed),
+                                                speculation=SpeculationConfig(method=method),
+                                                constraint=make(grammars)))
+        text = engine.tokenizer.decode(gen.output)
+        make(grammars).advance(gen.output)   # raises on a token the grammar forbids
+        if gen.finish_reason == "stop":      # a long sampled string may run to max_tokens instead
+            answer = json.loads(text)
+            assert set(answer) == {"city", "sunny"} and isinstance(answer["sunny"], bool), text
+            stopped += 1
+    assert stopped, "no sampled answer finished: the JSON check never ran"
