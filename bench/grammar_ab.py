@@ -62,7 +62,8 @@ def main() -> int:
     prompts = load_workload(args.workload, limit=args.limit)
     totals = {arm: {"tokens": 0, "wall_s": 0.0, "cpu_s": 0.0} for arm in ("packed", "unpacked")}
 
-    def run(arm: str, ids: list[int]) -> list[int]:
+    def run(arm: str, ids: list[int]) -> tuple[list[int], float, float]:
+        """One generation: (tokens, decode wall seconds, decode CPU seconds of this thread)."""
         constraint = factory.lazy_tool_calls(TOOLS, parallel=False)
         g = engine.start(GenerationRequest(ids, args.max_tokens, constraint=constraint,
                                            speculation=SpeculationConfig("whiflash")))
@@ -72,20 +73,20 @@ def main() -> int:
         wall, cpu = time.perf_counter(), time.thread_time()
         while not g.finished and g.step() is not None:
             pass
-        t = totals[arm]
-        t["tokens"] += len(g.output)
-        t["wall_s"] += time.perf_counter() - wall
-        t["cpu_s"] += time.thread_time() - cpu
-        return g.output
+        return g.output, time.perf_counter() - wall, time.thread_time() - cpu
 
     run("packed", encode_chat(engine.tokenizer, prompts[0].messages, TOOLS))   # a process's first runs cold
-    for t in totals.values():
-        t.update(tokens=0, wall_s=0.0, cpu_s=0.0)
     same = 0
     for i, prompt in enumerate(prompts):
         ids = encode_chat(engine.tokenizer, prompt.messages, TOOLS)
         order = ("packed", "unpacked", "unpacked", "packed") if i % 2 == 0 else ("unpacked", "packed", "packed", "unpacked")
-        outputs = {arm: run(arm, ids) for arm in order}
+        outputs = {}
+        for arm in order:
+            outputs[arm], wall, cpu = run(arm, ids)
+            t = totals[arm]
+            t["tokens"] += len(outputs[arm])
+            t["wall_s"] += wall
+            t["cpu_s"] += cpu
         same += outputs["packed"] == outputs["unpacked"]
     summary = {arm: {"tokens": t["tokens"], "tps_wall": round(t["tokens"] / t["wall_s"], 2),
                      "tps_cpu": round(t["tokens"] / t["cpu_s"], 2)} for arm, t in totals.items()}

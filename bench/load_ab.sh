@@ -2,9 +2,8 @@
 # The agent load test (bench/load.py, 1 then 8 streams) against servers of two versions of this
 # repository, interleaved on one machine in one sitting: REF (a git revision, checked out in a
 # temporary worktree) and the working tree, the latter also with the settings of EXTRA_ARM (default
-# WHIFLASH_TILES=0: the AMX tiles off, whiflash_core/tiles.py; empty: no third arm; TILES_ARM=0 is
-# the same as empty). Servers of one machine drift by 10-20 % over an hour (other tenants), so only
-# figures of one sitting are compared.
+# WHIFLASH_TILES=0: the AMX tiles off, whiflash_core/tiles.py; empty: no third arm). Servers of one
+# machine drift by 10-20 % over an hour (other tenants), so only figures of one sitting are compared.
 #
 #   bench/load_ab.sh OUT.json REF [ROUNDS] [SECONDS]
 #   EXTRA_ARM=WHIFLASH_STEP_THREADS=2 bench/load_ab.sh OUT.json HEAD 2 25   # a setting, same code
@@ -18,7 +17,6 @@ trap 'git -C "$ROOT" worktree remove --force "$WORK/ref" >/dev/null 2>&1 || true
 git -C "$ROOT" worktree add --detach "$WORK/ref" "$REF" >/dev/null 2>&1
 PORT=${PORT:-8051}
 EXTRA_ARM=${EXTRA_ARM-WHIFLASH_TILES=0}
-[ "${TILES_ARM:-1}" = 0 ] && EXTRA_ARM=
 # shellcheck source=bench/server.sh
 . "$ROOT/bench/server.sh"
 

@@ -102,9 +102,8 @@ class GrammarConstraint:
         self.stop_ids = set(stop_token_ids)
 
     def bitmasks(self, draft: list[int]) -> torch.Tensor:
-        """The allowed tokens at rows 0..m-1 of a verification, row i following draft[:i], packed as
-        xgrammar packs them: int32 [m, ceil(V / 32)], bit j of word w allows token 32 w + j; m - 1
-        is the longest draft prefix the grammar accepts. Packed because unpacking to a bool [V] row
+        """The engine's Constraint.bitmasks (rows 0..m-1 of a verification, packed as xgrammar packs
+        them) from xgrammar's matcher, walked along the draft and rolled back. Packed because unpacking to a bool [V] row
         and masking a copy of the logits with it took ~0.4 ms a row on an AMD EPYC (Zen 3) in a
         round; the greedy verify reads the packed rows in place (sampling.verify_greedy), and
         agent requests with tools carry a grammar every round."""

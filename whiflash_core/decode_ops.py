@@ -194,9 +194,8 @@ def refine_top(logits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, k: i
 def argmax_rows(x: torch.Tensor, allowed: torch.Tensor | None = None) -> list[int] | None:
     """torch.argmax(x, -1).tolist() of a float32 CPU matrix (the first largest value; the first NaN
     where a row has one) in one C call, or None where the C ops are not built or do not take x.
-    With `allowed` (a grammar's packed masks, int32 [rows, words] as xgrammar packs them: bit b of
-    word w allows token 32 w + b; tokens past 32 words never) the argmax of each row with the
-    forbidden tokens at -inf, read without writing that copy."""
+    With `allowed` (a grammar's packed masks, one row per row of x: engine.Constraint.bitmasks) the
+    argmax of each row with the forbidden tokens at -inf, read without writing that copy."""
     lib = _library()
     if lib is None or x.dtype is not torch.float32 or x.device.type != "cpu" or x.dim() != 2 or x.shape[1] == 0:
         return None
@@ -204,12 +203,10 @@ def argmax_rows(x: torch.Tensor, allowed: torch.Tensor | None = None) -> list[in
                                 or allowed.dim() != 2 or allowed.shape[0] != x.shape[0]):
         return None
     x = x.contiguous()
+    allowed = allowed.contiguous() if allowed is not None else None
     out = (ctypes.c_int64 * x.shape[0])()
-    if allowed is None:
-        lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], None, 0, out)
-    else:
-        allowed = allowed.contiguous()
-        lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], allowed.data_ptr(), allowed.shape[1], out)
+    lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], allowed.data_ptr() if allowed is not None else None,
+                        allowed.shape[1] if allowed is not None else 0, out)
     return list(out)
 
 

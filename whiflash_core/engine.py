@@ -64,7 +64,9 @@ class Constraint(Protocol):
     def bitmasks(self, draft: list[int]) -> torch.Tensor:
         """Allowed-token masks for rows 0..m-1 of a verification, where row i follows draft[:i];
         m-1 is the length of the longest draft prefix the grammar accepts. Packed as xgrammar packs
-        them: int32 [m, ceil(V / 32)], bit b of word w allows token 32 w + b (sampling.mask_logits)."""
+        them: int32 [m, ceil(V / 32)], bit b of word w allows token 32 w + b; ids past the last word
+        (a padded LM head's) are never allowed (decode_ops.argmax_rows and
+        sampling.mask_logits read them)."""
 
     def advance(self, tokens: list[int]) -> None:
         """Commit emitted tokens."""

@@ -59,10 +59,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """A copy of logits [m, V] with every token a grammar forbids at -inf. `allowed` is its packed
-    masks (Constraint.bitmasks: int32 [m, words] as xgrammar packs them, bit b of word w allows
-    token 32 w + b; ids past 32 words, a padded LM head's, are never allowed). xgrammar's kernels
-    apply them (its CPU one took ~60 us a row where unpacking to bool and masked_fill took ~240).
+    """A copy of logits [m, V] with every token a grammar forbids at -inf: `allowed` is its packed
+    masks (engine.Constraint.bitmasks; ids past them, a padded LM head's, are never allowed).
+    xgrammar's kernels apply them (its CPU one took ~60 us a row where unpacking to bool and masked_fill took ~240).
     Imported here: masks come from a grammar, so xgrammar is loaded by then, and the engine core
     alone (bench/gpu_check.py) stays without it."""
     import xgrammar
@@ -78,8 +77,8 @@ def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
 
 def verify_greedy(draft: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None = None) -> tuple[int, int]:
     """(number of accepted draft tokens, next token) for draft [k] and target logits [k+1, V], the
-    target's choice at each row among the tokens a grammar's packed masks `allowed` [k+1, words]
-    permit (see mask_logits; None: every token).
+    target's choice at each row among the tokens a grammar's packed masks `allowed` (k+1 rows,
+    engine.Constraint.bitmasks) permit (None: every token).
 
     The target's choices and the draft are read to the host together: on a GPU that is the
     round's one wait for the device."""
