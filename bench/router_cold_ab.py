@@ -8,7 +8,7 @@ microseconds. Both versions must pick the same candidate (asserted every round).
 
     .venv/bin/python bench/router_cold_ab.py BASE [Class:method:path:module ...]
 
-Swapped by default: Router._gain_candidates and RouterMLP._folded; more with the arguments (e.g.
+Swapped by default: Router._gain_options and RouterMLP._folded; more with the arguments (e.g.
 MLP2:__call__:whiflash_core/decode_ops.py:whiflash_core.decode_ops). Prints each side's median
 and quartiles and their per-round difference, in microseconds.
 """
@@ -44,7 +44,7 @@ def method_of(path: str, cls: str, name: str, module) -> object:
 
 
 base = sys.argv[1]
-swaps = [(router.Router, "_gain_candidates", "whiflash_core/router.py", router),
+swaps = [(router.Router, "_gain_options", "whiflash_core/router.py", router),
          (router_mlp.RouterMLP, "_folded", "whiflash_core/router_mlp.py", router_mlp)]
 for spec in sys.argv[2:]:
     cls, name, path, module = spec.split(":")
@@ -69,7 +69,7 @@ for p in prompts:
                 setattr(c, n, f)
             sweep.add_(1.0)
             t0 = time.perf_counter()
-            pick = router.best(g.router.options(g.states, ctx, g.last_logits, limit, g.last_hidden), g.router.alpha)
+            pick = g.router.options(g.states, ctx, g.last_logits, limit, g.last_hidden).best(g.router.alpha)
             times[side].append(time.perf_counter() - t0)
             picks[side] = (pick.drafter, pick.k, pick.tokens, pick.seconds)
         assert picks["base"] == picks["this"], picks

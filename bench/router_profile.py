@@ -4,10 +4,11 @@ adds well under a microsecond a call). In a round everything the router touches 
 target's forward has just evicted the caches), so a piece's cost here can be several times its
 cost in a loop of its own.
 
-    .venv/bin/python bench/router_profile.py [THREADS] [POLICY]
+    .venv/bin/python bench/router_profile.py [THREADS] [POLICY] [whole]
 
 Prints to stdout: the router's share of a round (RoundTimes.router, as the bench reports it) and
 per piece calls, microseconds a call and a round (nested pieces count in their callers too).
+`whole`: no pieces timed, only the share (the wrappers' own cold microseconds left out).
 """
 import collections
 import sys
@@ -25,11 +26,12 @@ policy = sys.argv[2] if len(sys.argv) > 2 else "learned"
 engine = load_engine(None, None, "bfloat16", threads=threads, weights="auto")
 prompts = load_workload("../shared/data/bench/spec_bench.jsonl", limit=1)
 seconds, calls = collections.Counter(), collections.Counter()
+pieces = not (len(sys.argv) > 3 and sys.argv[3] == "whole")
 
 
 def timed(owner, name: str, label: str) -> None:
     f = getattr(owner, name, None)
-    if f is None:   # a piece this commit does not have
+    if f is None or not pieces:   # a piece this commit does not have
         return
 
     def wrapper(*args, **kwargs):
@@ -51,7 +53,7 @@ lookup = engine.drafters.get("ngram")
 if lookup is not None:
     timed(type(lookup), "match", "    NgramDrafter.match (also in propose)")
     timed(type(lookup), "copy_run", "    NgramDrafter.copy_run")
-timed(router.Router, "_gain_candidates", "  Router._gain_candidates")
+timed(router.Router, "_gain_options", "  Router._gain_options")
 timed(router.Router, "predicted_rates", "    Router.predicted_rates")
 timed(router, "scalar_features", "      scalar_features")
 timed(acceptance.AcceptanceModel, "rates", "        AcceptanceModel.rates")
@@ -61,8 +63,10 @@ timed(router_mlp.RouterMLP, "_folded", "      RouterMLP._folded")
 timed(router_mlp.RouterMLP, "rates_at", "      RouterMLP.rates_at")
 timed(costs.VerifyCost, "estimates", "    VerifyCost.estimates")
 timed(costs.CostModel, "attention", "    CostModel.attention")
-timed(costs.CostModel, "drafting_by_k", "    CostModel.drafting_by_k")
+timed(costs.CostModel, "drafting_line", "    CostModel.drafting_line")
+timed(acceptance.AcceptanceModel, "gains", "    AcceptanceModel.gains")
 timed(router, "expected_tokens_by_k", "    expected_tokens_by_k")
+timed(getattr(router, "Options", None), "best", "Options.best")
 timed(router.Router, "observe", "Router.observe (after the round)")
 
 rounds, router_s, total_s, tokens, t0 = 0, 0.0, 0.0, 0, time.time()

@@ -1,9 +1,11 @@
 """Prompt lookup: which earlier n-gram it copies from, and that whiflash takes its drafts first."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tiny import tiny_target
+from whiflash_core import decode_ops
 from whiflash_core.drafters.base import Context, DraftSampling
 from whiflash_core.drafters.ngram import NgramConfig, NgramDrafter
 from whiflash_core.engine import Engine, GenerationRequest, SpeculationConfig
@@ -35,34 +37,55 @@ def test_copy_run_counts_the_agreement_back_from_the_pending_token():
     assert run([5, 1, 2, 3, 9, 8, 0, 1, 2, 3]) == 3         # 1 2 3 again, 0 before it where 5 was
     assert run([7, 1, 2, 3, 9, 7, 1, 2, 3]) == 4            # 7 1 2 3 again, then the context's start
     assert run([4, 4, 4, 4, 1, 2, 3, 9, 4, 4, 4, 4, 1, 2, 3]) == 5   # capped at longest_run
-    ids = torch.tensor([5, 1, 2, 3, 9, 8, 1, 2, 3])                  # the copy from the host index is
-    state = d.new_state(0)                                           # the tensor's slice, pending included
+    ids = torch.tensor([5, 1, 2, 3, 9, 8, 1, 2, 3])   # the copy: the tensor's slice, pending included
+    state = d.new_state(0)
     size, start = d.match(state, ids, 8)
     for length in (1, 3, 5, 9):
-        assert d.copy(state, 8, start, length) == ids[start:min(start + length, 9)].tolist()
+        assert d.copy(ids, 8, start, length) == ids[start:min(start + length, 9)].tolist()
 
 
-def test_the_incremental_index_finds_what_a_full_search_finds():
-    """A request's rounds see a growing context: the state's n-gram index, fed only the new tokens
-    each round, answers as a search of the whole context from scratch does."""
-    def full_search(seq: list[int], cfg: NgramConfig) -> tuple[int, int]:
-        for size in range(min(cfg.max_ngram, len(seq) - 1), cfg.min_ngram - 1, -1):
-            hits = [j for j in range(len(seq) - size) if seq[j:j + size] == seq[-size:]]
-            if hits:
-                return size, hits[-1] + size
-        return 0, 0
+def full_search(seq: list[int], cfg: NgramConfig) -> tuple[int, int]:
+    """The definition, slowly: the longest suffix n-gram of seq with an earlier occurrence, at its
+    most recent one (start = the token after it)."""
+    for size in range(min(cfg.max_ngram, len(seq) - 1), cfg.min_ngram - 1, -1):
+        hits = [j for j in range(len(seq) - size) if seq[j:j + size] == seq[-size:]]
+        if hits:
+            return size, hits[-1] + size
+    return 0, 0
 
+
+def copy_run(seq: list[int], start: int, longest: int) -> int:
+    run = 1
+    while run < longest and start - 1 - run >= 0 and seq[start - 1 - run] == seq[-1 - run]:
+        run += 1
+    return run
+
+
+@pytest.mark.parametrize("scan", ["c", "python"])
+def test_the_scan_finds_what_the_definition_finds(scan, monkeypatch):
+    """A request's rounds see a growing context, searched each round in one scan (C, or Python
+    where the C ops are not built): the same match and copy run as the definition, for every
+    n-gram range; the answer is kept per n (a second ask does not search again)."""
+    if scan == "c" and not decode_ops.available():
+        pytest.skip("no C compiler on this machine")
+    if scan == "python":
+        monkeypatch.setattr(decode_ops, "ngram_match", lambda *args: None)
     g = torch.Generator().manual_seed(0)
     for trial in range(60):
-        cfg = NgramConfig(min_ngram=1 + trial % 2, max_ngram=2 + trial % 3)
+        cfg = NgramConfig(min_ngram=1 + trial % 2, max_ngram=2 + trial % 3, longest_run=2 + trial % 7)
         d, ids = NgramDrafter(cfg), torch.randint(0, 5, (70,), generator=g)
         state, n = d.new_state(0), trial % 4
         while n < 69:
-            assert d.match(state, ids, n) == full_search(ids[:n + 1].tolist(), cfg), (trial, n)
+            seq = ids[:n + 1].tolist()
+            want = full_search(seq, cfg)
+            assert d.match(state, ids, n) == want, (trial, n)
+            if want[0]:
+                assert d.copy_run(state, n, want[1]) == copy_run(seq, want[1], cfg.longest_run), (trial, n)
             n += 1 + (n * 7 + trial) % 3   # rounds accept 0-2 draft tokens
     state = d.new_state(0)
     d.match(state, ids, 60)
-    assert d.match(state, ids, 20) == full_search(ids[:21].tolist(), cfg)   # a shorter context: indexed afresh
+    assert d.match(state, ids, 20) == full_search(ids[:21].tolist(), cfg)   # a shorter context: searched afresh
+    assert d.match(state, ids.to(torch.int32), 30) == full_search(ids[:31].tolist(), cfg)   # other dtypes too
 
 
 def test_whiflash_drafts_from_the_context_first_and_stays_exact():

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from whiflash_core.drafters.base import Context
 from whiflash_core.engine import GenerationRequest, SpeculationConfig
 from whiflash_core.rounds import Round, RoundTimes
 from whiflash_core.machine import CONTEXT
-from whiflash_core.router import Candidate, Route, Router, best, choose_shared
+from whiflash_core.router import Candidate, Options, Priced, Route, Router, best, choose_shared
 from whiflash_core.router_mlp import RouterMLP, RouterMLPConfig
 
 # --- the cost model ------------------------------------------------------------------------------
@@ -113,8 +114,7 @@ def test_a_shared_step_is_priced_by_the_table_less_its_attention_plus_each_reque
 
 def test_a_request_alone_is_priced_as_timed_whatever_its_context():
     """Only a shared step reads the context term: a request alone routes by the tables (the term
-    moved its picks without a gain, costs.py), and its candidates carry their attention for
-    choose_shared."""
+    moved its picks without a gain, costs.py)."""
     costs = CostModel.with_table({1: 0.010, 4: 0.012})
     costs.set_per_position({1: 1e-6, 2: 2.2e-6, 4: 4e-6})
     costs.draft["eagle3"], costs.draft["dflash"] = LinearCost(), LinearCost()
@@ -126,19 +126,19 @@ def test_a_request_alone_is_priced_as_timed_whatever_its_context():
     short, long_ = router.route(states, ctx, logits), router.route(states, long_ctx, logits)
     assert (short.drafter, short.draft_len, short.expected_s) == (long_.drafter, long_.draft_len, long_.expected_s)
     assert short.expected_s == pytest.approx(0.001 + 0.012)
-    plain = router.options(states, long_ctx, logits)[0]
-    assert plain.seconds == pytest.approx(0.010) and plain.attention == pytest.approx(0.02)
+    assert router.options(states, long_ctx, logits).first.seconds == pytest.approx(0.010)
 
 
 def test_a_shared_step_prices_each_request_by_its_own_context():
     """choose_shared: t_step = the forward of all rows less attention + each pick's drafting and
     attention over its own context: a request at a long context keeps to a plain step where one
     at a short context drafts, in the same step."""
-    def options(context: int) -> list[Candidate]:
-        return [Candidate(None, 0, 1.0, 0.0, 0.0, attention=1e-6 * context),
-                Candidate("d", 3, 2.0, 0.0, 0.001, attention=4e-6 * context)]
+    options = [Candidate(None, 0, 1.0, 0.0, 0.0), Candidate("d", 3, 2.0, 0.0, 0.001)]
+    costs = CostModel()
+    costs.set_per_position({1: 1e-6, 4: 4e-6})
     forward = [0.0] + [0.010 + 0.001 * r for r in range(1, 9)]
-    short, long_ = choose_shared([options(100), options(20_000)], [1.0, 1.0], forward)
+    short, long_ = choose_shared([options, options], [1.0, 1.0], forward,
+                                 [costs.attention(4, 100), costs.attention(4, 20_000)])
     assert (short.drafter, long_.drafter) == ("d", None)
 
 
@@ -201,6 +201,27 @@ def test_alpha_zero_picks_the_most_tokens_and_alpha_one_the_most_tokens_per_seco
     # a plain step wins when drafting does not pay
     assert best([Candidate(None, 0, 1.0, 0.010), Candidate("slow", 3, 1.1, 0.020)], 1.0).drafter is None
     assert best([Candidate(None, 0, 1.0, 0.010), Candidate("slow", 3, 1.1, 0.020)], 0.0).drafter == "slow"
+
+
+def test_options_pick_from_their_arrays_what_best_picks_from_the_candidates():
+    """A request alone takes Options.best straight from the priced arrays: the candidate, fields and
+    ties included, that `best` takes from the built list (what a shared step reads)."""
+    rng = random.Random(0)
+    for trial in range(300):
+        verify = [0.0] + sorted(rng.choice([0.004, 0.005, 0.006]) for _ in range(9))   # equal times: ties
+        priced = []
+        for name in rng.sample(["eagle3", "dflash", "ngram"], rng.randint(0, 3)):
+            k_max = rng.randint(1, 8)
+            rates = [rng.choice([0.0, 0.5, 0.9, 1.0]) for _ in range(k_max)]
+            raw = expected_tokens_by_k([min(p * 1.2, 1.0) for p in rates], k_max) if rng.random() < 0.3 else None
+            priced.append(Priced(name, expected_tokens_by_k(rates, k_max), 1e-4, rng.choice([0.0, 1e-3]),
+                                 rng.choice([0.0, 2e-4]), rng.choice([0.0, 1e-4]), rng.randint(0, 3), raw))
+        options = Options(Candidate(None, 0, 1.0, 1e-4 + verify[1], 1e-4), priced, verify)
+        built = options.candidates()
+        assert len(built) == 1 + sum(len(p.gains) - 1 for p in priced)
+        assert options.longest() == max(c.k for c in built)
+        for alpha in (0.0, 0.25, 1.0):
+            assert options.best(alpha) == best(built, alpha), (trial, alpha)
 
 
 def _router(alpha: float, costs: CostModel, **spec) -> tuple[Router, dict, Context]:

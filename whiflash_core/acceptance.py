@@ -145,6 +145,7 @@ class AcceptanceModel:
         # every drafter's rates every round, and most rounds update one drafter or none
         self._memo: dict[str, dict[tuple[int, int], list[float]]] = {}
         self._summaries: dict[str, dict[tuple[int, int], tuple[float, float, float]]] = {}   # likewise, summary()
+        self._gains: dict[str, dict[tuple[int, int], list[float]]] = {}   # likewise, gains()
 
     def rates(self, drafter: str, where: int, k_max: int) -> list[float]:
         """p_1..p_k_max for `drafter` in situation `where` (the list may be shared between calls:
@@ -153,6 +154,14 @@ class AcceptanceModel:
         out = memo.get((where, k_max))
         if out is None:
             out = memo[(where, k_max)] = self._rates(drafter, where, k_max)
+        return out
+
+    def gains(self, drafter: str, where: int, k_max: int) -> list[float]:
+        """[g(0), ..., g(k_max)] of `rates` (expected_tokens_by_k), kept like them (shared: read it)."""
+        memo = self._gains.setdefault(drafter, {})
+        out = memo.get((where, k_max))
+        if out is None:
+            out = memo[(where, k_max)] = expected_tokens_by_k(self.rates(drafter, where, k_max), k_max)
         return out
 
     def summary(self, drafter: str, where: int, k: int) -> tuple[float, float, float]:
@@ -186,5 +195,11 @@ class AcceptanceModel:
             return
         self._memo.pop(drafter, None)
         self._summaries.pop(drafter, None)
-        self.overall.setdefault(drafter, PositionRates()).update(k, accepted)
-        self.by_situation.setdefault((drafter, where), PositionRates()).update(k, accepted)
+        self._gains.pop(drafter, None)
+        overall, here = self.overall.get(drafter), self.by_situation.get((drafter, where))
+        if overall is None:   # (not setdefault: it would build a PositionRates every round)
+            overall = self.overall[drafter] = PositionRates()
+        if here is None:
+            here = self.by_situation[(drafter, where)] = PositionRates()
+        overall.update(k, accepted)
+        here.update(k, accepted)

@@ -235,17 +235,12 @@ class CostModel:
         """Seconds to catch `drafter` up on `backlog` positions and draft k tokens (0 without one)."""
         if drafter is None or k <= 0:
             return 0.0
-        catch_up, a, b = self._drafting_line(drafter, backlog)
+        catch_up, a, b = self.drafting_line(drafter, backlog)
         return catch_up + (a + b * k)
 
-    def drafting_by_k(self, drafter: str, k_max: int, backlog: int) -> list[float]:
-        """[drafting(drafter, k, backlog) for k in 0..k_max], the lines solved once: the router
-        prices every draft length of every drafter each round."""
-        catch_up, a, b = self._drafting_line(drafter, backlog)
-        return [0.0] + [catch_up + (a + b * k) for k in range(1, k_max + 1)]
-
-    def _drafting_line(self, drafter: str, backlog: int) -> tuple[float, float, float]:
-        """(catch-up seconds for `backlog`, a, b) with drafting k tokens = catch-up + a + b k."""
+    def drafting_line(self, drafter: str, backlog: int) -> tuple[float, float, float]:
+        """(catch-up seconds for `backlog`, a, b) with drafting k tokens = catch-up + (a + b k): the
+        router prices every draft length of every drafter each round from these three numbers."""
         catch_up, draft = self.catch_up.get(drafter), self.draft.get(drafter)
         return (self.catch_up_share * catch_up(backlog) if catch_up and backlog > 0 else 0.0,
                 *(draft.coefficients() if draft else (0.0, 0.0)))

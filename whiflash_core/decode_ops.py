@@ -42,6 +42,8 @@ def _library() -> ctypes.CDLL | None:
     lib.attend_rows_bf16.restype = ctypes.c_int
     lib.attend_segments_bf16.argtypes = [p, p, p, i64, p, p, p, p, p, p, p, i64, i64, i64, p]
     lib.attend_segments_bf16.restype = ctypes.c_int
+    lib.ngram_match_i64.argtypes = [p, i64, i64, i64, i64, p]
+    lib.ngram_match_i64.restype = None
     lib.softmax_stats_f32.argtypes = [p, i64, p]
     lib.softmax_stats_f32.restype = None
     lib.topk_rows_f32.argtypes = [p, i64, i64, i64, p]
@@ -135,11 +137,30 @@ def attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             int64s([s[1] for s in segments]), int64s([s[2].shape[1] for s in segments]),
             pointers([s[2].data_ptr() for s in segments]), pointers([s[3].data_ptr() for s in segments]),
             int64s(lead), int64s(shared), n_heads, n_kv_heads, hd, out.data_ptr()) != 0:
-        raise MemoryError(f"attention scratch for {qkv.shape[0]} rows of {n} requests could not be allocated")
+        raise MemoryError(f"attention scratch for {qkv.shape[0]} rows of {len(segments)} requests could not be allocated")
     return out
 
 
 _STATS = ctypes.c_float * 2
+_MATCH = ctypes.c_int64 * 3
+
+
+def ngram_match(ids: torch.Tensor, n: int, min_ngram: int, max_ngram: int,
+                longest_run: int) -> tuple[int, int, int] | None:
+    """Prompt lookup's search (NgramDrafter.match) in one C scan of ids[:n+1] (the verified context
+    and the pending token): (size, start, copy run), (0, 0, 0) without a match; None where the C
+    ops are not built (the drafter then scans in Python). A context off the CPU is read to the host
+    once (one wait for the device a round, as any host read of it)."""
+    lib = _library()
+    if lib is None:
+        return None
+    if n >= ids.shape[0]:
+        raise IndexError(f"pending token {n} past the {ids.shape[0]} ids")
+    if ids.dtype is not torch.int64 or not ids.is_cpu or not ids.is_contiguous():
+        ids = ids[:n + 1].to("cpu", torch.int64).contiguous()
+    out = _MATCH()
+    lib.ngram_match_i64(ids.data_ptr(), n, min_ngram, max_ngram, longest_run, out)
+    return out[0], out[1], out[2]
 
 
 def softmax_stats(logits: torch.Tensor) -> tuple[float, float] | None:

@@ -40,7 +40,7 @@ Shared steps. When several requests step together (`Engine.step_many`: one targe
 all their verify rows), a request's draft rows are no longer priced by its own verify curve: each
 row is a share of a forward whose cost grows with every request's rows. `choose_shared` then picks
 one candidate per request for the whole step, argmax of (sum of g) / (t_step) ** alpha, t_step =
-every request's drafting and attention over its own context (Candidate.attention) plus the shared
+every request's drafting and attention over its own context (CostModel.attention) plus the shared
 forward of all their rows less attention (`CostModel.shared_forward`, timed at start-up): alpha = 1
 is the server's tokens per second. A request alone is routed as above.
 
@@ -161,7 +161,6 @@ class RoundInputs:
     backlogs: dict[str, int] = field(default_factory=dict)   # per drafter: catch-up charged to this round
     hidden: torch.Tensor | None = None   # the target's final-norm hidden state there [d] (learned policy)
     lookup_run: int = 0               # how long its copy has run (NgramDrafter.copy_run; 0: unknown)
-    context: int | None = None        # cached positions the verify attends to (a shared step's price)
 
 
 @dataclass
@@ -178,7 +177,7 @@ class Route:
     predicted_accepted: float | None = None   # learned policy: the MLP's own g - 1 for it (before calibration)
 
 
-@dataclass(slots=True)   # ~25 made a round: slots make each cheaper to build and read
+@dataclass(slots=True)
 class Candidate:
     drafter: str | None
     k: int
@@ -187,7 +186,6 @@ class Candidate:
     drafting: float = 0.0   # the part of t outside the verify forward (router, catch-up, draft)
     situation: int = 0
     predicted_accepted: float | None = None   # learned policy: the MLP's own g - 1 (Route's)
-    attention: float = 0.0  # its verify rows' attention over the request's context (choose_shared's)
     route: Route | None = None   # a route decided by rule (a single-drafter method, the entropy policy)
 
     def score(self, alpha: float) -> float:
@@ -197,40 +195,96 @@ class Candidate:
 def best(candidates: list[Candidate], alpha: float) -> Candidate:
     """argmax g / t ** alpha; on a tie the earlier candidate (the plain step comes first, then
     shorter drafts: equal value for less work)."""
-    top = candidates[0]
-    for c in candidates[1:]:
-        if c.score(alpha) > top.score(alpha):
-            top = c
+    top, top_score = candidates[0], -1.0
+    for c in candidates:   # Candidate.score inline: each call costs a microsecond or more a round
+        score = c.tokens / c.seconds ** alpha
+        if score > top_score:
+            top, top_score = c, score
     return top
 
 
+@dataclass(slots=True)
+class Priced:
+    """One drafter's candidates k = 1..k_max of a round, as the arrays they are computed from:
+        g(k) = gains[k],   t(k) = max(drafting(k) + verify[k + 1], MIN_SECONDS),
+        drafting(k) = fixed + (catch_up + (a + b k))   (the router phase, the catch-up's share, the draft line)."""
+    drafter: str
+    gains: list[float]          # [g(0), ..., g(k_max)]
+    fixed: float
+    catch_up: float
+    a: float
+    b: float
+    situation: int
+    raw: list[float] | None     # learned policy: the MLP's own g by k (before calibration)
+
+    def drafting(self, k: int) -> float:
+        return self.fixed + (self.catch_up + (self.a + self.b * k))
+
+    def candidate(self, k: int, verify: list[float]) -> Candidate:
+        d = self.drafting(k)
+        return Candidate(self.drafter, k, self.gains[k], max(d + verify[k + 1], MIN_SECONDS), d, self.situation,
+                         self.raw[k] - 1.0 if self.raw is not None else None)
+
+
+@dataclass
+class Options:
+    """A round's candidates: `first` (the plain step, or the one route a rule decided), then every
+    (drafter, k) of `priced` in order, k ascending, each priced on the `verify` curve. A request
+    alone takes `best` straight from the arrays (a round builds ~20 candidates otherwise, each a
+    microsecond or more on the cold caches between target forwards); a shared step reads them all
+    (`candidates`, for choose_shared)."""
+    first: Candidate
+    priced: list[Priced] = field(default_factory=list)
+    verify: list[float] = field(default_factory=list)
+
+    def best(self, alpha: float) -> Candidate:
+        """`best(self.candidates(), alpha)`, the same pick (ties too) without building them."""
+        first, verify = self.first, self.verify
+        top, top_k, top_score = None, 0, first.tokens / first.seconds ** alpha
+        for p in self.priced:
+            gains, fixed, catch_up, a, b = p.gains, p.fixed, p.catch_up, p.a, p.b
+            for k in range(1, len(gains)):
+                t = fixed + (catch_up + (a + b * k)) + verify[k + 1]
+                score = gains[k] / max(t, MIN_SECONDS) ** alpha
+                if score > top_score:
+                    top, top_k, top_score = p, k, score
+        return first if top is None else top.candidate(top_k, verify)
+
+    def candidates(self) -> list[Candidate]:
+        return [self.first, *(p.candidate(k, self.verify) for p in self.priced for k in range(1, len(p.gains)))]
+
+    def longest(self) -> int:
+        """The longest draft among the candidates."""
+        return max([self.first.k, *(len(p.gains) - 1 for p in self.priced)])
+
+
 def choose_shared(options: list[list[Candidate]], alphas: list[float], forward: list[float],
-                  passes: int = 2) -> list[Candidate]:
+                  attention: list[list[float]], passes: int = 2) -> list[Candidate]:
     """One candidate per request for a shared step: argmax over the combinations of
     G / t_step ** alpha, G the sum of the picks' g, t_step = the sum of their drafting and attention
     times + forward[sum of their rows (k + 1 each)] (forward[r]: the shared forward of r rows less
-    its attention, CostModel.shared_forward; it must reach the longest candidates' total). By
+    its attention, CostModel.shared_forward; it must reach the longest candidates' total;
+    attention[i][r]: request i's verify of r rows over its own context, CostModel.attention). By
     coordinate ascent from every request's first option (the plain step): each request in turn
     takes its best response to the others' picks, `passes` times over (the combinations grow as
     options ** requests; two passes settle in practice). Request i weighs the step by its own
     alpha_i; alone (one request) this is `best` with the forward curve and its attention in place of
     its verify curve."""
     picks = [opts[0] for opts in options]
-    tokens = sum(c.tokens for c in picks)
-    own = sum(c.drafting + c.attention for c in picks)   # each request's own seconds of the step
-    rows = sum(c.k + 1 for c in picks)
+    own_s = [c.drafting + att[c.k + 1] for c, att in zip(picks, attention)]   # each request's own seconds
+    tokens, own, rows = sum(c.tokens for c in picks), sum(own_s), sum(c.k + 1 for c in picks)
     for _ in range(passes):
         for i, opts in enumerate(options):
-            mine = picks[i].drafting + picks[i].attention
-            g_rest, o_rest, r_rest = tokens - picks[i].tokens, own - mine, rows - picks[i].k - 1
+            att = attention[i]
+            g_rest, o_rest, r_rest = tokens - picks[i].tokens, own - own_s[i], rows - picks[i].k - 1
             alpha, top, top_score = alphas[i], picks[i], -1.0
             for c in opts:
-                t = o_rest + c.drafting + c.attention + forward[r_rest + c.k + 1]
+                t = o_rest + c.drafting + att[c.k + 1] + forward[r_rest + c.k + 1]
                 score = (g_rest + c.tokens) / max(t, MIN_SECONDS) ** alpha
                 if score > top_score:
                     top, top_score = c, score
-            picks[i] = top
-            tokens, own, rows = g_rest + top.tokens, o_rest + top.drafting + top.attention, r_rest + top.k + 1
+            picks[i], own_s[i] = top, top.drafting + att[top.k + 1]
+            tokens, own, rows = g_rest + top.tokens, o_rest + own_s[i], r_rest + top.k + 1
     return picks
 
 
@@ -299,23 +353,23 @@ class Router:
         """Choose from the verified context, the target's logits at its last position [V] and (for
         the learned policy) its final-norm hidden state there [d]; `limit` caps the draft length
         (tokens left to emit, room in the context)."""
-        return self.take(best(self.options(states, ctx, logits, limit, hidden), self.alpha), states, ctx)
+        return self.take(self.options(states, ctx, logits, limit, hidden).best(self.alpha), states, ctx)
 
     def options(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
-                limit: int | None = None, hidden: torch.Tensor | None = None) -> list[Candidate]:
+                limit: int | None = None, hidden: torch.Tensor | None = None) -> Options:
         """This round's candidates (`route`'s arguments), the plain step first: for the cost and
         learned policies every (drafter, k) priced; otherwise the one route the method or the
         entropy rule decides, priced by the running acceptance (for `choose_shared`)."""
         if not self.drafters:
-            return [self._decided(Route(None), ctx.n)]
+            return Options(self._decided(Route(None)))
         limit = self.longest_draft if limit is None else max(limit, 0)
         if not self.routes:
             name = next(iter(self.drafters))
-            return [self._decided(Route(name, min(self.draft_lens[name], limit)), ctx.n)]
+            return Options(self._decided(Route(name, min(self.draft_lens[name], limit))))
         inputs = self.inputs(states, ctx, logits, limit, hidden)
         if self.policy == "entropy":
-            return [self._decided(self._by_entropy(inputs), ctx.n)]
-        return self._gain_candidates(inputs)
+            return Options(self._decided(self._by_entropy(inputs)))
+        return self._gain_options(inputs)
 
     def take(self, c: Candidate, states: dict[str, DrafterState], ctx: Context) -> Route:
         """The round's Route from the chosen candidate."""
@@ -328,13 +382,12 @@ class Router:
             route.backlog = max(ctx.n - states[route.drafter].n_seen, 0)
         return route
 
-    def _decided(self, route: Route, context: int) -> Candidate:
+    def _decided(self, route: Route) -> Candidate:
         k = route.draft_len if route.drafter is not None else 0
         drafting = self.costs.router.value + self.costs.drafting(route.drafter, k, 0)
         tokens = expected_tokens_by_k(self.acceptance.rates(route.drafter, 0, k), k)[k] if k else 1.0
         verify = self.costs.verify.estimates(k + 1)[k + 1]
-        return Candidate(route.drafter, k, tokens, max(drafting + verify, MIN_SECONDS), drafting,
-                         attention=self.costs.attention(k + 1, context)[k + 1], route=route)
+        return Candidate(route.drafter, k, tokens, max(drafting + verify, MIN_SECONDS), drafting, route=route)
 
     def inputs(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, limit: int,
                hidden: torch.Tensor | None = None) -> RoundInputs:
@@ -347,20 +400,20 @@ class Router:
             room = ctx.n + 1 - start if match else 0
             if match and self.routes and self.policy != "entropy":
                 run = lookup.copy_run(states[LOOKUP], ctx.n, start)
-                self._copy = (copy_situation(run), lookup.copy(states[LOOKUP], ctx.n, start, self.route_lens[LOOKUP]))
+                self._copy = (copy_situation(run), lookup.copy(ctx.ids, ctx.n, start, self.route_lens[LOOKUP]))
         # the prompt is charged to no round (see __init__)
         backlogs = {name: max(ctx.n - max(states[name].n_seen, self.prompt_len), 0) for name in self.drafters}
         if self.policy == "cost":
             top1, entropy = top1_probability(logits), None
         else:
             entropy, top1 = entropy_and_top1(logits)
-        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden, lookup_run=run, context=ctx.n)
+        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden, lookup_run=run)
 
     def choose(self, inputs: RoundInputs) -> Route:
         """This round's drafter and draft length by the request's policy (a request alone)."""
         if self.policy == "entropy":
             return self._by_entropy(inputs)
-        c = best(self._gain_candidates(inputs), self.alpha)
+        c = self._gain_options(inputs).best(self.alpha)
         return Route(c.drafter, c.k, situation=c.situation, expected_tokens=c.tokens, expected_s=c.seconds,
                      predicted_accepted=c.predicted_accepted)
 
@@ -394,14 +447,13 @@ class Router:
         name = self.entropy.pick(inputs.entropy)
         return Route(name, min(self.draft_lens[name], inputs.limit), entropy=inputs.entropy)
 
-    def _gain_candidates(self, inputs: RoundInputs) -> list[Candidate]:
+    def _gain_options(self, inputs: RoundInputs) -> Options:
         """The cost and learned policies' candidates: a plain step, then every (drafter, k) with
-        its g and t (argmax g / t ** alpha picks among them: `best`, or `choose_shared`)."""
+        its g and t (argmax g / t ** alpha picks among them: Options.best, or `choose_shared`)."""
         longest = min(self.longest_draft, inputs.limit)
         verify = self.costs.verify.estimates(longest + 1)
-        attention = self.costs.attention(longest + 1, inputs.context or 0)   # for a shared step
         plain = self.costs.router.value
-        candidates = [Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain, attention=attention[1])]
+        options = Options(Candidate(None, 0, 1.0, max(plain + verify[1], MIN_SECONDS), plain), [], verify)
         predicted = self.predicted_rates(inputs)
         for name in self.drafters:
             k_max = min(self.route_lens[name], inputs.limit)
@@ -415,8 +467,7 @@ class Router:
             if name == LOOKUP and inputs.lookup_run:
                 # a copy's outcome is seen every round (observe): this request's rates by copy run
                 # know every draft length, where the MLP's lookup head predicts the first few
-                copied = self.copying.rates(name, copy_situation(inputs.lookup_run), k_max)
-                gains = expected_tokens_by_k(copied, k_max)
+                gains = self.copying.gains(name, copy_situation(inputs.lookup_run), k_max)
             elif rates is not None:
                 # a request drafting past the positions the MLP predicts: its last rate for the rest
                 rates = rates + rates[-1:] * (k_max - len(rates))
@@ -426,14 +477,10 @@ class Router:
                     f = calibration.factor()
                     gains = expected_tokens_by_k([min(p * f, 1.0) for p in rates], k_max)
             else:
-                gains = expected_tokens_by_k(self.acceptance.rates(name, where, k_max), k_max)
-            drafting = self.costs.drafting_by_k(name, k_max, inputs.backlogs[name])
-            for k in range(1, k_max + 1):
-                d = plain + drafting[k]
-                candidates.append(Candidate(name, k, gains[k], max(d + verify[k + 1], MIN_SECONDS), d,
-                                            where, raw[k] - 1.0 if raw is not None else None,
-                                            attention=attention[k + 1]))
-        return candidates
+                gains = self.acceptance.gains(name, where, k_max)
+            catch_up, a, b = self.costs.drafting_line(name, inputs.backlogs[name])
+            options.priced.append(Priced(name, gains, plain, catch_up, a, b, where, raw))
+        return options
 
     def predicted_rates(self, inputs: RoundInputs) -> dict[str, list[float]]:
         """The learned policy's p_1..p_K per drafter it has a head for ({} for the cost policy)."""

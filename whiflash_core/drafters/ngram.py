@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import decode_ops
 from .base import Context, Draft, Drafter, DrafterState, DraftSampling
 
 
@@ -29,13 +30,9 @@ class NgramConfig:
 
 class NgramState(DrafterState):
     def __init__(self):
-        self.last: tuple[int, tuple[int, int]] | None = None  # (n, match) of the latest search
-        # The index the search reads: per n-gram size, each n-gram of ids[:indexed] -> the start of
-        # its most recent occurrence; `tokens` = ids[:indexed] on the host. The verified context
-        # only grows within a request, so each round indexes just its new tokens (a search of the
-        # whole context with tensor ops took ~100 us of every round, most of the router's time).
-        self.grams: dict[int, dict[tuple[int, ...], int]] = {}
-        self.tokens: list[int] = []
+        # (n, (size, start), copy run) of the latest search: ids[:n+1] never changes for a given n
+        # within a request, so a router asking first costs the drafter no second search
+        self.last: tuple[int, tuple[int, int], int] | None = None
 
 
 class NgramDrafter(Drafter):
@@ -59,59 +56,31 @@ class NgramDrafter(Drafter):
     def match(self, state: NgramState, ids: torch.Tensor, n: int) -> tuple[int, int]:
         """(size, start) of the longest suffix n-gram of ids[:n+1] (verified + pending token) that
         occurred earlier, taking its most recent occurrence; start indexes the token after it.
-        (0, 0) when none of min_ngram..max_ngram matches. ids[:n+1] never changes for a given n
-        within a request, so the last answer is kept: a router asking first costs no second search."""
+        (0, 0) when none of min_ngram..max_ngram matches. One scan of the context in C
+        (decode_ops.ngram_match; kept until n changes), else the same scan in Python."""
         if state.last is not None and state.last[0] == n:
             return state.last[1]
-        pending = self._index(state, ids, n)
-        seq = state.tokens   # ids[:n]; the suffix searched for is its end plus the pending token
-        match = (0, 0)
-        for size in range(min(self.cfg.max_ngram, n), self.cfg.min_ngram - 1, -1):
-            # occurrences inside ids[:n]: every one except the suffix itself
-            start = state.grams.get(size, {}).get((*seq[n - size + 1:], pending))
-            if start is not None:
-                match = (size, start + size)
-                break
-        state.last = (n, match)
-        return match
-
-    # `match` at n found (size, start): the n-gram ending at the pending token ids[n] also ends at
-    # start - 1, so ids[n] == ids[start - 1] and both helpers below read only the host copy
-    # state.tokens = ids[:n] that `match` indexed (no read of the device tensor).
+        cfg = self.cfg
+        found = decode_ops.ngram_match(ids, n, cfg.min_ngram, cfg.max_ngram, cfg.longest_run)
+        if found is None:
+            found = _match_py(ids[:n + 1].tolist(), cfg)
+        size, start, run = found
+        state.last = (n, (size, start), run)
+        return size, start
 
     def copy_run(self, state: NgramState, n: int, start: int) -> int:
         """How many tokens up to the pending one equal those before `start` (the copy source): the
         suffix n-gram found is at most max_ngram long, but a copy of a passage agrees far further
-        back, and the longer it has run the longer it tends to go on. At most cfg.longest_run."""
-        seq, run = state.tokens, 1   # the pending token itself
-        while run < self.cfg.longest_run and start - 1 - run >= 0 and seq[start - 1 - run] == seq[n - run]:
-            run += 1
-        return run
+        back, and the longer it has run the longer it tends to go on. At most cfg.longest_run.
+        Found by the `match` at n (which must come first)."""
+        assert state.last is not None and state.last[0] == n and state.last[1][1] == start
+        return state.last[2]
 
-    def copy(self, state: NgramState, n: int, start: int, length: int) -> list[int]:
-        """The first `length` tokens of the copy (ids[start:start + length], at most up to the
-        pending token at n), from the host copy."""
-        end = min(start + length, n + 1)
-        return state.tokens[start:min(end, n)] + ([state.tokens[start - 1]] if end > n else [])
-
-    def _index(self, state: NgramState, ids: torch.Tensor, n: int) -> int:
-        """Bring state.grams up to ids[:n] (read on the host once per token: on a GPU each search
-        would otherwise wait for the device) and return the pending token ids[n], read in the same
-        host copy (one tensor read a round: each costs microseconds of the router's time). A
-        context that shrank (not within one request) is indexed afresh."""
-        if n < len(state.tokens):
-            state.grams, state.tokens = {}, []
-        old = len(state.tokens)
-        *new, pending = ids[old:n + 1].tolist()
-        if not new:
-            return pending
-        state.tokens.extend(new)
-        seq = state.tokens
-        for size in range(self.cfg.min_ngram, self.cfg.max_ngram + 1):
-            grams = state.grams.setdefault(size, {})
-            for start in range(max(old - size + 1, 0), n - size + 1):   # the n-grams ending at old..n-1
-                grams[tuple(seq[start:start + size])] = start
-        return pending
+    @staticmethod
+    def copy(ids: torch.Tensor, n: int, start: int, length: int) -> list[int]:
+        """The first `length` tokens of the copy `match` at n found: ids[start:start + length], at
+        most up to the pending token at n."""
+        return ids[start:min(start + length, n + 1)].tolist()
 
     def propose(self, state: NgramState, ctx: Context, num_tokens: int, sampling: DraftSampling) -> Draft:
         size, start = self.match(state, ctx.ids, ctx.n)
@@ -119,3 +88,25 @@ class NgramDrafter(Drafter):
             return Draft(ctx.ids[:0].clone())
         # point-mass proposals: greedy verification, and exact rejection sampling for T > 0
         return Draft(ctx.ids[start:min(start + num_tokens, ctx.n + 1)].clone())
+
+
+def _match_py(ids: list[int], cfg: NgramConfig) -> tuple[int, int, int]:
+    """decode_ops.ngram_match's scan in Python, where the C ops are not built: (size, start, copy
+    run) for the context ids[:-1] and the pending token ids[-1]."""
+    n = len(ids) - 1
+    longest = min(cfg.max_ngram, n)
+    found, end = 0, -1
+    for e in range(n - 1, max(cfg.min_ngram, 1) - 2, -1):
+        if found >= longest:
+            break
+        size = 0
+        while size < longest and e - size >= 0 and ids[e - size] == ids[n - size]:
+            size += 1
+        if size >= cfg.min_ngram and size > found:
+            found, end = size, e
+    if not found:
+        return 0, 0, 0
+    start, run = end + 1, 1
+    while run < cfg.longest_run and start - 1 - run >= 0 and ids[start - 1 - run] == ids[n - run]:
+        run += 1
+    return found, start, run

@@ -39,7 +39,7 @@ def count(examples, drafter: NgramDrafter, k: int) -> dict[int, list[list[int]]]
             if not size:
                 continue
             where = copy_situation(drafter.copy_run(state, n, start))
-            copy = drafter.copy(state, n, start, k)
+            copy = drafter.copy(ids, n, start, k)
             truth = seq[n + 1:n + 1 + len(copy)]
             table = counts.setdefault(where, [[0, 0] for _ in range(k)])
             for i, (c, t) in enumerate(zip(copy, truth)):
