@@ -100,7 +100,7 @@ def test_a_drafter_that_sat_out_is_not_priced_out_by_its_growing_backlog():
 def test_a_shared_step_is_priced_by_the_table_less_its_attention_plus_each_requests_own():
     """The shared table is timed over 4-row requests after machine.CONTEXT cached positions each;
     shared_forward takes that attention off, and each request adds per_position(rows) x its own
-    context (Candidate.attention)."""
+    context (CostModel.attention, added per request by choose_shared)."""
     model = CostModel.with_table({1: 0.010, 4: 0.016}, shared={4: 0.016, 8: 0.020})
     model.set_per_position({1: 2e-6, 4: 5e-6})
     shared = model.shared_forward(8)

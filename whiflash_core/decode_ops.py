@@ -137,7 +137,8 @@ def attend_segments(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             int64s([s[1] for s in segments]), int64s([s[2].shape[1] for s in segments]),
             pointers([s[2].data_ptr() for s in segments]), pointers([s[3].data_ptr() for s in segments]),
             int64s(lead), int64s(shared), n_heads, n_kv_heads, hd, out.data_ptr()) != 0:
-        raise MemoryError(f"attention scratch for {qkv.shape[0]} rows of {len(segments)} requests could not be allocated")
+        raise MemoryError(f"attention scratch for {qkv.shape[0]} rows of {len(segments)} requests "
+                          "could not be allocated")
     return out
 
 

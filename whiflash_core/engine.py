@@ -107,7 +107,7 @@ class RoundOptions:
     n: int                       # verified positions before the round
     limit: int                   # most draft tokens (max_tokens, the context)
     clock: _Clock
-    candidates: Options          # the plain step (or a route decided by rule) first
+    priced: Options              # the router's candidates: the plain step (or a route decided by rule) first
 
 
 class Engine:
@@ -291,9 +291,9 @@ class Engine:
         picks: list[Candidate | None] = [None] * len(options)
         if len(options) > 1:
             t0 = time.perf_counter()
-            rows = [o.candidates.longest() + 1 for _, _, o in options]   # each request's most
-            picks = choose_shared([o.candidates.candidates() for _, _, o in options], [g.router.alpha for _, g, _ in options],
-                                  self.costs.shared_forward(sum(rows)),
+            rows = [o.priced.longest() + 1 for _, _, o in options]   # each request's most verify rows
+            picks = choose_shared([o.priced.candidates() for _, _, o in options],
+                                  [g.router.alpha for _, g, _ in options], self.costs.shared_forward(sum(rows)),
                                   [self.costs.attention(r, o.n) for r, (_, _, o) in zip(rows, options)])
             share = (time.perf_counter() - t0) / len(options)
             for _, _, o in options:
@@ -557,7 +557,7 @@ class Generation:
         options = options if options is not None else self.round_options()
         if options is None:
             return None
-        route = self.router.take(pick if pick is not None else options.candidates.best(self.router.alpha),
+        route = self.router.take(pick if pick is not None else options.priced.best(self.router.alpha),
                                  self.states, self._context())
         options.clock.lap("router")   # choosing among the candidates is the router's work too
         return RoundPlan(options.n, route, min(route.draft_len, options.limit), options.clock)
