@@ -173,6 +173,10 @@ def test_the_mlp_file_round_trips_in_bf16_and_a_576_wide_one_is_under_a_megabyte
     for name, rates in back.rates(x).items():
         assert len(rates) == dict(zip(cfg.drafters, cfg.draft_lens))[name]
         assert rates == pytest.approx(mlp.rates(x)[name], abs=0.02)   # bf16 weights
+    # serving freezes it (loading.load_router_mlp): the fold made once, the same predictions
+    before = back.rates_at(hidden, scalars)
+    assert back.freeze().rates_at(hidden, scalars) == before and back.rates(whole) == before
+    assert not any(p.requires_grad for p in back.parameters())
 
 
 def test_features_read_the_requests_acceptance_history():

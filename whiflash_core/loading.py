@@ -336,7 +336,7 @@ def load_router_mlp(directory: str | None, target: TargetModel, drafters: dict) 
     if not set(mlp.cfg.drafters) & (set(drafters) | {"ngram"}):
         log.warning("%s predicts drafters %s, none of which is loaded: not loaded", path, list(mlp.cfg.drafters))
         return None
-    return mlp
+    return mlp.freeze()
 
 
 def load_engine(model: str | None = None, drafters: str | None = None, dtype: str = "bfloat16",
