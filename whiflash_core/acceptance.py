@@ -141,38 +141,37 @@ class AcceptanceModel:
         self.overall: dict[str, PositionRates] = {}
         self.by_situation: dict[tuple[str, int], PositionRates] = {}
         self.priors = priors or {}
-        # rates() per drafter by (situation, k_max) until its next update: the routers ask for
-        # every drafter's rates every round, and most rounds update one drafter or none
-        self._memo: dict[str, dict[tuple[int, int], list[float]]] = {}
-        self._summaries: dict[str, dict[tuple[int, int], tuple[float, float, float]]] = {}   # likewise, summary()
-        self._gains: dict[str, dict[tuple[int, int], list[float]]] = {}   # likewise, gains()
+        # rates(), gains() and summary() per drafter, keyed (which, situation, k), until the
+        # drafter's next update: the routers ask for every drafter's every round, and most rounds
+        # update one drafter or none
+        self._memo: dict[str, dict[tuple[str, int, int], object]] = {}
 
     def rates(self, drafter: str, where: int, k_max: int) -> list[float]:
         """p_1..p_k_max for `drafter` in situation `where` (the list may be shared between calls:
         read it, do not change it)."""
         memo = self._memo.setdefault(drafter, {})
-        out = memo.get((where, k_max))
+        out = memo.get(("rates", where, k_max))
         if out is None:
-            out = memo[(where, k_max)] = self._rates(drafter, where, k_max)
+            out = memo[("rates", where, k_max)] = self._rates(drafter, where, k_max)
         return out
 
     def gains(self, drafter: str, where: int, k_max: int) -> list[float]:
         """[g(0), ..., g(k_max)] of `rates` (expected_tokens_by_k), kept like them (shared: read it)."""
-        memo = self._gains.setdefault(drafter, {})
-        out = memo.get((where, k_max))
+        memo = self._memo.setdefault(drafter, {})
+        out = memo.get(("gains", where, k_max))
         if out is None:
-            out = memo[(where, k_max)] = expected_tokens_by_k(self.rates(drafter, where, k_max), k_max)
+            out = memo[("gains", where, k_max)] = expected_tokens_by_k(self.rates(drafter, where, k_max), k_max)
         return out
 
     def summary(self, drafter: str, where: int, k: int) -> tuple[float, float, float]:
         """(p_1, (g(k) - 1) / k, w / (w + PRIOR_WEIGHT)) for `drafter` in situation `where`, w its
         `observed` weight there: the learned router's scalars per drafter (router_mlp.scalar_features),
         kept like `rates` until the drafter's next update."""
-        memo = self._summaries.setdefault(drafter, {})
-        out = memo.get((where, k))
+        memo = self._memo.setdefault(drafter, {})
+        out = memo.get(("summary", where, k))
         if out is None:
             rates, seen = self.rates(drafter, where, k), self.observed(drafter, where)
-            out = memo[(where, k)] = (rates[0], (expected_tokens(rates, k) - 1.0) / k, seen / (seen + PRIOR_WEIGHT))
+            out = memo[("summary", where, k)] = (rates[0], (expected_tokens(rates, k) - 1.0) / k, seen / (seen + PRIOR_WEIGHT))
         return out
 
     def _rates(self, drafter: str, where: int, k_max: int) -> list[float]:
@@ -194,8 +193,6 @@ class AcceptanceModel:
         if k <= 0:
             return
         self._memo.pop(drafter, None)
-        self._summaries.pop(drafter, None)
-        self._gains.pop(drafter, None)
         overall, here = self.overall.get(drafter), self.by_situation.get((drafter, where))
         if overall is None:   # (not setdefault: it would build a PositionRates every round)
             overall = self.overall[drafter] = PositionRates()

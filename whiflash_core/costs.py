@@ -207,8 +207,8 @@ class CostModel:
 
     def shared_forward(self, max_rows: int) -> list[float]:
         """[T(0) = 0, ..., T(max_rows)] of a shared forward by its total rows, without its
-        requests' attention over their contexts (choose_shared adds each request's own, CostModel.attention); without
-        a shared table, the verify table's (one request's) curve."""
+        requests' attention over their contexts (choose_shared adds each request's own, `attention`);
+        without a shared table, the verify table's (one request's) curve."""
         if not self.shared.table:
             return self.verify.estimates(max_rows)
         curve = self.shared.estimates(max_rows)

@@ -194,12 +194,12 @@ class Candidate:
 
 def best(candidates: list[Candidate], alpha: float) -> Candidate:
     """argmax g / t ** alpha; on a tie the earlier candidate (the plain step comes first, then
-    shorter drafts: equal value for less work)."""
-    top, top_score = candidates[0], -1.0
-    for c in candidates:   # Candidate.score inline: each call costs a microsecond or more a round
-        score = c.tokens / c.seconds ** alpha
-        if score > top_score:
-            top, top_score = c, score
+    shorter drafts: equal value for less work). The definition: a request's round takes the same
+    pick from its priced arrays (Options.best), a test holds the two together."""
+    top = candidates[0]
+    for c in candidates[1:]:
+        if c.score(alpha) > top.score(alpha):
+            top = c
     return top
 
 
