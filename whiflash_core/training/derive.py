@@ -377,11 +377,18 @@ class DeriveSettings:
                              "questions: closed-book questions; code: code-writing tasks from BFCL functions; "
                              "summaries: summaries of the English passages; asks: step 1 of trivia questions (the target "
                              "writes them); trivia: step 2, the questions from the answered asks; tasks2: step 2 "
-                             "of the topics with the second template set",
-                        choices=["topics", "tasks", "tasks2", "questions", "code", "summaries", "asks", "trivia"])
-    out: str = setting(help="topics, asks: the JSONL to write; the other steps: the directory for their JSONL files")
+                             "of the topics with the second template set; magpie: user requests the target writes itself "
+                             "(training/magpie.py)",
+                        choices=["topics", "tasks", "tasks2", "questions", "code", "summaries", "asks", "trivia", "magpie"])
+    out: str = setting(help="topics, asks, magpie: the JSONL to write (magpie: appended to, and its name is the "
+                            "source's: magpie_smollm2.jsonl); the other steps: the directory for their JSONL files")
     data: str = setting("../shared/data/train", "topics, asks, questions, code, summaries: the prompt sets' directory")
     topics: str | None = setting(None, "tasks, tasks2, trivia: the distilled directory of step 1's answers")
+    count: int = setting(2000, "magpie: requests the file should hold")
+    seed: int = setting(0, "magpie: sampling seed (per batch)")
+    bench: str = setting("../shared/data/bench/spec_bench.jsonl",
+                         "magpie: benchmark prompts no request may share a run of words with")
+    threads: int = setting(1, "magpie: torch threads")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -394,6 +401,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     s = from_args(DeriveSettings, args)
+    if s.step == "magpie":
+        from whiflash_core.training.magpie import write_magpie
+
+        print(f"{s.out} holds {write_magpie(s.out, s.count, s.seed, bench=s.bench, threads=s.threads)} requests")
+        return 0
     if s.step in ("topics", "asks"):
         records = topic_prompts(s.data) if s.step == "topics" else ask_prompts(s.data)
         write_jsonl(s.out, records)

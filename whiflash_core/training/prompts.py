@@ -117,6 +117,9 @@ SOURCES: dict[str, SourceInfo] = {
                  "the function specs of ShishirPatil/gorilla : berkeley-function-call-leaderboard BFCL_v4_*.json"),
             ]
         ],
+        # user requests the target wrote itself (training/magpie.py): its own text, its licence
+        SourceInfo("magpie_smollm2", "Apache-2.0 (written by SmolLM2-135M-Instruct, Apache-2.0)",
+                   "whiflash train derive --step magpie: sampled after the chat template's user-turn prefix", 1),
         SourceInfo("alpaca_en_demo",
                    "repo Apache-2.0; content appears to be Alpaca-GPT4 data (upstream CC BY-NC 4.0)",
                    "hiyouga/LLaMA-Factory : data/alpaca_en_demo.json", 5),
