@@ -21,7 +21,8 @@ rec = []
 cur = {}
 orig_options, orig_observe = R.Router.options, R.Router.observe
 def options(self, states, ctx, logits, limit=None, hidden=None):
-    cands = orig_options(self, states, ctx, logits, limit, hidden)
+    opts = orig_options(self, states, ctx, logits, limit, hidden)
+    cands = opts.candidates()   # a request alone picks from the arrays (Options.best): list them here
     lk = self.drafters.get("ngram")
     m, s = lk.match(states["ngram"], ctx.ids, ctx.n) if lk else (0, 0)
     bestby = {}
@@ -30,7 +31,7 @@ def options(self, states, ctx, logits, limit=None, hidden=None):
         if c.drafter not in bestby or sc > bestby[c.drafter][0]:
             bestby[c.drafter] = (sc, c.k, c.tokens, c.seconds)
     cur["o"] = dict(n=ctx.n, match=m, start=s, best=bestby, ng=[(c.k, round(c.tokens, 3), round(1000 * c.seconds, 2)) for c in cands if c.drafter == "ngram"], plain=[round(1000 * c.seconds, 2) for c in cands if c.drafter is None], e3=[(c.k, round(c.tokens, 3), round(1000 * c.seconds, 2)) for c in cands if c.drafter == "eagle3"])
-    return cands
+    return opts
 def observe(self, route, r):
     o = cur.pop("o", None)
     if o is not None:
