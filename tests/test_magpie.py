@@ -45,6 +45,7 @@ def test_sampled_requests_load_as_a_licensed_source_and_a_stopped_run_continues(
     prefix = magpie.user_prefix(tokenizer)
     # the served template up to a user turn's content: the default system prompt, then the turn's opening
     assert prefix.endswith("<|im_start|>user\n") and "<|im_start|>system\n" in prefix
+    assert magpie.end_of_turn(tokenizer) == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     out = tmp_path / "magpie_smollm2.jsonl"   # short turns only (32 tokens), to keep the test short
     first = magpie.write_magpie(str(out), 2, seed=3, batch_size=6, bench=bench_file, max_new_tokens=32, target=target)

@@ -18,6 +18,11 @@ Kept: a request that ended its turn (the end-of-turn token) within MAX_NEW_TOKEN
 to MAX_WORDS words, not a repeat (case and spacing folded) and sharing no SHINGLE-word run with a
 Spec-Bench prompt (a model tuned on public chat data may have seen MT-Bench's questions; those
 must not come back as training prompts).
+
+Measured before training on them (README, "Training the drafters"; 2026-12-07): the shipped
+EAGLE-3 already reads the target's answers to these requests at val tau 3.20, as well as the
+sources it was trained on (3.27) and far above the never-trained alpaca sets (1.9-2.0, Spec-Bench's
+level). What the target finds typical to ask, it also answers predictably: this source adds little.
 """
 from __future__ import annotations
 
@@ -33,11 +38,22 @@ SHINGLE = 8          # words in a run shared with a benchmark prompt that drops 
 PLACEHOLDER = "\x00USER\x00"
 
 
+def _rendered(tokenizer) -> tuple[str, str]:
+    """The chat template around one user turn: (the text before its content, the text after it)."""
+    text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], tokenize=False)
+    before, after = text.split(PLACEHOLDER)
+    return before, after
+
+
 def user_prefix(tokenizer) -> str:
     """The chat template's text up to where a user turn's content starts (with the template's
     default system prompt, as the server renders a request without one)."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": PLACEHOLDER}], tokenize=False)
-    return text[: text.index(PLACEHOLDER)]
+    return _rendered(tokenizer)[0]
+
+
+def end_of_turn(tokenizer) -> int:
+    """The token that closes a user turn in the template (SmolLM2: <|im_end|>)."""
+    return tokenizer(_rendered(tokenizer)[1], add_special_tokens=False).input_ids[0]
 
 
 def _words(text: str) -> list[str]:
@@ -91,7 +107,7 @@ def sample_batch(model, tokenizer, prefix_ids: list[int], size: int, seed: int, 
     import torch
     from transformers import GenerationConfig
 
-    eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = end_of_turn(tokenizer)
     ids = torch.tensor([prefix_ids] * size)
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                               eos_token_id=eos, pad_token_id=eos)
@@ -121,7 +137,8 @@ def write_magpie(out: str, count: int, seed: int = 0, batch_size: int = 64, benc
         with open(out, encoding="utf-8") as f:
             records = [json.loads(line) for line in f if line.strip()]
     seen = {" ".join(_words(r["messages"][0]["content"])) for r in records}
-    done = max((int(r["id"].split("-b")[-1].split("-")[0]) for r in records), default=-1)
+    tag = f"magpie-s{seed}-b"   # this seed's batches: "magpie-s{seed}-b{batch}-{i}"
+    done = max((int(r["id"][len(tag):].split("-")[0]) for r in records if r["id"].startswith(tag)), default=-1)
     banned = benchmark_shingles(bench)
     if not banned:
         print(f"no benchmark file at {bench!r}: requests are not checked against one")
@@ -132,7 +149,7 @@ def write_magpie(out: str, count: int, seed: int = 0, batch_size: int = 64, benc
     batch = done + 1
     while len(records) < count:
         kept = keep(sample_batch(model, tokenizer, prefix, batch_size, seed, batch, max_new_tokens), seen, banned)
-        new = [{"id": f"magpie-s{seed}-b{batch}-{i}", "messages": [{"role": "user", "content": text}]}
+        new = [{"id": f"{tag}{batch}-{i}", "messages": [{"role": "user", "content": text}]}
                for i, text in enumerate(kept[: count - len(records)])]
         with open(out, "a", encoding="utf-8") as f:   # one batch at a time: a stopped run continues here
             for r in new:
