@@ -9,9 +9,11 @@ Each app gets its own registry, so several apps can live in one process (tests).
 """
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, GCCollector, Histogram, ProcessCollector,
+                               generate_latest)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from whiflash_core.rounds import Round
@@ -28,6 +30,10 @@ class Metrics:
     def __init__(self, model_name: str):
         self.registry = r = CollectorRegistry()
         ProcessCollector(registry=r)   # process_resident_memory_bytes, cpu seconds, open fds (Linux)
+        GCCollector(registry=r)        # python_gc_collections_total and objects collected, by generation
+        # objects the collector no longer traverses (app.memory.freeze_startup_heap at start-up)
+        Gauge(f"{P}gc_frozen_objects", "Objects frozen out of the cyclic GC at start-up",
+              registry=r).set_function(gc.get_freeze_count)
         self.model_name = model_name
         m = ["model_name"]
         self.requests = Counter(f"{P}request_success", "Finished requests by finish reason (abort: client left)",

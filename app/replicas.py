@@ -124,7 +124,7 @@ class Replica:
 
     async def __init__(self, settings: dict):
         from .main import create_app
-        from .memory import bound_kernel_caches, limit_malloc_arenas
+        from .memory import bound_kernel_caches, freeze_startup_heap, limit_malloc_arenas
         from .serve_cli import load_server_engine
 
         context = serve.get_replica_context()
@@ -137,6 +137,7 @@ class Replica:
         # the app's lifespan (engine thread, stats hub) as uvicorn would run it, for the replica's life
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
+        freeze_startup_heap()   # as `whiflash serve` does, in this replica's own process
         serve_log.info("whiflash replica %s (rank %d, pid %d) ready", self.name, self.rank, os.getpid())
 
     def record_replica_metadata(self) -> dict:

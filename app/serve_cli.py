@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from .main import create_app
-    from .memory import bound_kernel_caches, limit_malloc_arenas
+    from .memory import bound_kernel_caches, freeze_startup_heap, limit_malloc_arenas
 
     settings = settings_from_args(args)
     limit_malloc_arenas(settings.malloc_arena_max)  # before the engine and server start their threads
@@ -143,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
         return serve_replicas(settings, replicas)
     app = create_app(load_server_engine(settings), settings)
+    freeze_startup_heap()   # the engine's and app's objects live as long as the server: no GC passes over them
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
                 timeout_graceful_shutdown=5)
     return 0

@@ -137,6 +137,11 @@ def test_health_models_metrics(live_server, client):
     assert set(METHODS) <= set(models.data[0].model_extra["speculation_methods"])
     metrics = httpx.get(live_server.url + "/metrics").text
     assert "whiflash:num_requests_running" in metrics
+    # `whiflash serve` froze its start-up heap (the target, tokenizer, modules: ~400k objects) out
+    # of the cyclic GC before serving (app.memory.freeze_startup_heap); collections are counted
+    frozen = re.search(r"^whiflash:gc_frozen_objects (\S+)$", metrics, re.M)
+    assert frozen and float(frozen.group(1)) > 50_000
+    assert re.search(r'^python_gc_collections_total\{generation="2"\} \d', metrics, re.M)
 
 
 def test_non_streaming(client):
