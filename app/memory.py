@@ -12,6 +12,9 @@ inputs) where with two arenas it stayed flat (+9 MB, once). `limit_malloc_arenas
 MALLOC_ARENA_MAX does (the server's `malloc_arena_max`, default 2), as many Python servers are run.
 Threads then share arenas: the engine thread allocates a few tensors per round, so contention for
 an arena's lock should cost it little (not benchmarked: 0 restores glibc's default).
+
+Python's cyclic garbage collector is the other pause a server sees: `freeze_startup_heap` keeps its
+full collections off the objects that live as long as the server.
 """
 from __future__ import annotations
 
@@ -42,8 +45,9 @@ def freeze_startup_heap() -> int:
     does once its engine is up) and return how many that is. A server starts with ~400k tracked
     objects (the target, tokenizer, drafters, transformers and FastAPI modules) that live as long as
     it does; a full collection traverses them all with the GIL held, and under 8 agent streams one
-    took 364 ms, a stall of every stream's engine thread. Called once the engine and app are built,
-    before serving; objects made later are collected as usual."""
+    came every ~40 s and took 300-415 ms, a stall of every stream (bench/gc_freeze_ab.sh,
+    bench/results/gc_freeze_ab_zen3_s14.txt). Called once the engine and app are built, before
+    serving; objects made later are collected as usual."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()

@@ -28,7 +28,8 @@ def on_gc(phase: str, info: dict) -> None:
 
 
 def reset(*_) -> None:
-    spent.clear(), runs.clear(), worst.clear()
+    for counts in (spent, runs, worst):
+        counts.clear()
 
 
 def show(*_) -> None:
