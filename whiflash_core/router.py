@@ -196,10 +196,11 @@ def best(candidates: list[Candidate], alpha: float) -> Candidate:
     """argmax g / t ** alpha; on a tie the earlier candidate (the plain step comes first, then
     shorter drafts: equal value for less work). The definition: a request's round takes the same
     pick from its priced arrays (Options.best), a test holds the two together."""
-    top = candidates[0]
+    top, top_score = candidates[0], candidates[0].score(alpha)
     for c in candidates[1:]:
-        if c.score(alpha) > top.score(alpha):
-            top = c
+        score = c.score(alpha)
+        if score > top_score:
+            top, top_score = c, score
     return top
 
 

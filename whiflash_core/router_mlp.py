@@ -144,7 +144,7 @@ class RouterMLP(nn.Module):
         target forwards). Training never freezes; changing a frozen model's parameters is an error
         of the caller's (its rounds would keep the old fold)."""
         self.requires_grad_(False)
-        self._frozen = None
+        self._frozen = None   # so _folded makes the fold of these parameters, not an earlier freeze's
         self._frozen = self._folded()
         return self
 
