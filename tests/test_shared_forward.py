@@ -95,7 +95,7 @@ def test_a_failing_request_does_not_fail_the_others():
     for g in gens:
         g.prefill()
 
-    def broken_plan():
+    def broken_plan(lone: bool = True):
         raise RuntimeError("boom")
     gens[1].round_options = broken_plan
     results = eng.step_many(gens)

@@ -245,6 +245,16 @@ class CostModel:
         return (self.catch_up_share * catch_up(backlog) if catch_up and backlog > 0 else 0.0,
                 *(draft.coefficients() if draft else (0.0, 0.0)))
 
+    def drafting_lines(self, drafters, backlogs) -> list[float]:
+        """`drafting_line` of each drafter with its backlog, flattened: [catch-up, a, b] after
+        another (the C round's call reads them as one array, router_native.py)."""
+        out, share, catch_ups, drafts = [], self.catch_up_share, self.catch_up, self.draft
+        for drafter, backlog in zip(drafters, backlogs):
+            catch_up, draft = catch_ups.get(drafter), drafts.get(drafter)
+            out.append(share * catch_up(backlog) if catch_up and backlog > 0 else 0.0)
+            out += draft.coefficients() if draft else (0.0, 0.0)
+        return out
+
     def round_time(self, drafter: str | None, k: int, backlog: int, verify: list[float] | None = None) -> float:
         """Expected seconds of a round; `verify` = `self.verify.estimates(...)` when the caller
         prices many candidates in one round."""

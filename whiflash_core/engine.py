@@ -280,7 +280,7 @@ class Engine:
         options: list[tuple[int, Generation, RoundOptions]] = []
         for i, gen in enumerate(gens):
             try:
-                o = gen.round_options()
+                o = gen.round_options(lone=len(gens) == 1)
             except Exception as exc:
                 results[i] = exc
                 continue
@@ -538,16 +538,18 @@ class Generation:
         self.finish_plan(plan)
         return plan
 
-    def round_options(self) -> RoundOptions | None:
+    def round_options(self, lone: bool = True) -> RoundOptions | None:
         """A round's first step: the router's candidates for this round's drafter and draft
-        length (never past max_tokens or the context). None once finished."""
+        length (never past max_tokens or the context); `lone`: no shared step will read them, the
+        router may return its pick alone (Router.options). None once finished."""
         if self.finished:
             return None
         n = self.cache.length  # ids[:n] verified (K/V cached), ids[n] = pending token the target chose
         self._ensure_capacity(n + self.router.longest_draft + 2)
         clock = _Clock()
         limit = min(self.request.max_new_tokens - len(self.output) - 1, self.engine.max_context - n - 2)
-        candidates = self.router.options(self.states, self._context(), self.last_logits, limit, self.last_hidden)
+        candidates = self.router.options(self.states, self._context(), self.last_logits, limit, self.last_hidden,
+                                         lone=lone)
         clock.lap("router")
         return RoundOptions(n, limit, clock, candidates)
 

@@ -47,6 +47,10 @@ is the server's tokens per second. A request alone is routed as above.
 `Router` is where methods meet drafters: it knows which drafters a method uses and decides each
 round's drafter and draft length; after the round it learns from the `Round` (`observe`). The
 engine never names a drafter.
+
+A request alone under `cost` or `learned` is routed by one C call (router_native.py) that makes the
+same pick as `Options.best` here, from a C copy of this request's acceptance state; this module
+stays the definition (and prices shared steps).
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ from .drafters.base import Context, Drafter, DrafterState
 from .layers import entropy_from_logits
 from .rounds import Round
 from .router_mlp import RouterMLP, scalar_features
+from .router_native import NativeRound
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,7 @@ ROUTING_METHODS = ("whiflash",)
 # the entropy policy takes a prompt-lookup draft first when the context's last LOOKUP_FIRST_NGRAM
 # tokens occurred before (a shorter match is too often chance in free text to beat its pick)
 LOOKUP, LOOKUP_FIRST_NGRAM = "ngram", 3
+MAX_UNAPPLIED = 256   # round outcomes a router keeps before its Python acceptance models learn them
 
 
 def available_methods(drafters) -> list[str]:
@@ -336,11 +342,14 @@ class Router:
         self.learned = learned if self.policy == "learned" else None
         self.entropy = EntropyRouter(threshold, *ROUTED["whiflash"]) if self.routes else None
         self.costs = costs if costs is not None else CostModel()
-        self.acceptance = AcceptanceModel()
+        self._acceptance = AcceptanceModel()
         # prompt lookup's acceptance by copy run, observed every round against the tokens the round
         # emitted (its draft is a copy, known before anyone drafts): (copy situation, the copy's
         # tokens) of the round being routed, then its outcome in `observe`
-        self.copying = AcceptanceModel(copy_prior)
+        self._copying = AcceptanceModel(copy_prior)
+        # the rounds' outcomes the two models have not yet learned, in order (`acceptance` and
+        # `copying` apply them when read: a request routed in C reads neither)
+        self._unapplied: list[tuple[AcceptanceModel, str, int, int, int]] = []
         self._copy: tuple[int, list[int]] | None = None
         self.calibration: dict[str, Calibration] = {}   # learned policy: per drafter, this request's
         self.previous: str | None = None
@@ -348,25 +357,52 @@ class Router:
         # (the prompt): charged to no round, or a long prompt would keep the drafters from ever
         # being picked (an idle drafter's backlog only grows). Set by the Generation.
         self.prompt_len = 0
+        # a request alone is routed by one C call where it applies (router_native.py), else in Python
+        self.native = NativeRound.make(self)
+
+    @property
+    def acceptance(self) -> AcceptanceModel:
+        """This request's acceptance per drafter and situation (acceptance.py)."""
+        if self._unapplied:
+            self._apply()
+        return self._acceptance
+
+    @property
+    def copying(self) -> AcceptanceModel:
+        """Prompt lookup's acceptance per copy run (see __init__)."""
+        if self._unapplied:
+            self._apply()
+        return self._copying
+
+    def _apply(self) -> None:
+        for model, drafter, where, k, accepted in self._unapplied:
+            model.update(drafter, where, k, accepted)
+        self._unapplied.clear()
 
     def route(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
               limit: int | None = None, hidden: torch.Tensor | None = None) -> Route:
         """Choose from the verified context, the target's logits at its last position [V] and (for
         the learned policy) its final-norm hidden state there [d]; `limit` caps the draft length
         (tokens left to emit, room in the context)."""
-        return self.take(self.options(states, ctx, logits, limit, hidden).best(self.alpha), states, ctx)
+        return self.take(self.options(states, ctx, logits, limit, hidden, lone=True).best(self.alpha), states, ctx)
 
     def options(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor,
-                limit: int | None = None, hidden: torch.Tensor | None = None) -> Options:
+                limit: int | None = None, hidden: torch.Tensor | None = None, lone: bool = False) -> Options:
         """This round's candidates (`route`'s arguments), the plain step first: for the cost and
         learned policies every (drafter, k) priced; otherwise the one route the method or the
-        entropy rule decides, priced by the running acceptance (for `choose_shared`)."""
+        entropy rule decides, priced by the running acceptance (for `choose_shared`). `lone`: the
+        request routes alone (no shared step reads the candidates), so where the C round applies
+        the options are its pick alone (router_native.py: the same pick as Options.best here)."""
         if not self.drafters:
             return Options(self._decided(Route(None)))
         limit = self.longest_draft if limit is None else max(limit, 0)
         if not self.routes:
             name = next(iter(self.drafters))
             return Options(self._decided(Route(name, min(self.draft_lens[name], limit))))
+        if lone and self.native is not None:
+            pick = self.native.pick(states, ctx, logits, hidden if self.learned is not None else None, limit)
+            if pick is not None:
+                return Options(pick)
         inputs = self.inputs(states, ctx, logits, limit, hidden)
         if self.policy == "entropy":
             return Options(self._decided(self._by_entropy(inputs)))
@@ -393,6 +429,18 @@ class Router:
     def inputs(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, limit: int,
                hidden: torch.Tensor | None = None) -> RoundInputs:
         """This round's RoundInputs from the live request."""
+        match, room, run = self._lookup_inputs(states, ctx)
+        # the prompt is charged to no round (see __init__)
+        backlogs = {name: max(ctx.n - max(states[name].n_seen, self.prompt_len), 0) for name in self.drafters}
+        if self.policy == "cost":
+            top1, entropy = top1_probability(logits), None
+        else:
+            entropy, top1 = entropy_and_top1(logits)
+        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden, lookup_run=run)
+
+    def _lookup_inputs(self, states: dict[str, DrafterState], ctx: Context) -> tuple[int, int, int]:
+        """Prompt lookup's (match size, tokens it can copy, copy run) this round, all 0 without it;
+        under the cost and learned policies its copy is kept for `observe` (`_observe_copy`)."""
         match, room, run = 0, 0, 0
         self._copy = None
         lookup = self.drafters.get(LOOKUP)
@@ -402,13 +450,7 @@ class Router:
             if match and self.routes and self.policy != "entropy":
                 run = lookup.copy_run(states[LOOKUP], ctx.n, start)
                 self._copy = (copy_situation(run), lookup.copy(ctx.ids, ctx.n, start, self.route_lens[LOOKUP]))
-        # the prompt is charged to no round (see __init__)
-        backlogs = {name: max(ctx.n - max(states[name].n_seen, self.prompt_len), 0) for name in self.drafters}
-        if self.policy == "cost":
-            top1, entropy = top1_probability(logits), None
-        else:
-            entropy, top1 = entropy_and_top1(logits)
-        return RoundInputs(limit, top1, entropy, match, room, backlogs, hidden, lookup_run=run)
+        return match, room, run
 
     def choose(self, inputs: RoundInputs) -> Route:
         """This round's drafter and draft length by the request's policy (a request alone)."""
@@ -421,13 +463,17 @@ class Router:
     def observe(self, route: Route, r: Round) -> None:
         """Learn from the round `route` led to: its drafter's acceptance, the round's costs."""
         if route.drafter is not None:
-            self.acceptance.update(route.drafter, route.situation, r.draft_len, r.accepted)
+            self._unapplied.append((self._acceptance, route.drafter, route.situation, r.draft_len, r.accepted))
+            if self.native is not None:
+                self.native.update(route.drafter, route.situation, r.draft_len, r.accepted)
             if route.predicted_accepted is not None and r.draft_len > 0:
                 self.calibration.setdefault(route.drafter, Calibration()).add(route.predicted_accepted, r.accepted)
         if self._copy is not None:
             self._observe_copy(*self._copy, r.tokens)
             self._copy = None
         self.costs.observe(route.drafter, route.draft_len, r.draft_len + 1, route.backlog, r.times)
+        if len(self._unapplied) > MAX_UNAPPLIED:   # a long request routed in C: learn in batches
+            self._apply()
 
     def _observe_copy(self, where: int, copy: list[int], emitted: list[int]) -> None:
         """What prompt lookup's draft `copy` would have had accepted this round, whoever drafted:
@@ -438,7 +484,9 @@ class Router:
         while agreed < min(len(copy), len(emitted)) and copy[agreed] == emitted[agreed]:
             agreed += 1
         seen = len(copy) if agreed < len(emitted) else agreed   # drafted positions whose outcome is known
-        self.copying.update(LOOKUP, where, seen, agreed)
+        self._unapplied.append((self._copying, LOOKUP, where, seen, agreed))
+        if self.native is not None:
+            self.native.update_copy(where, seen, agreed)
 
     # -- policies -------------------------------------------------------------------------------
 

@@ -1424,3 +1424,217 @@ void mlp2_at_f32(const void *hidden, int64_t d, int hidden_bf16, const float *sc
 #if !defined(AMX_ATTENTION)
 int attention_amx_enable(int on) { (void)on; return 0; }
 #endif
+
+// ------------------------------------------------------------------ the router's round
+
+// A request's routing round (router.py, the `cost` and `learned` policies, a request alone) in one
+// call: the target's entropy and top-1 probability, the learned MLP's scalars and forward, every
+// (drafter, k) candidate's expected tokens g and round time t, and argmax g / t ** alpha. In Python
+// the same round is ~100 interpreter calls on the caches a target forward has just evicted, ~3 % of
+// a round; router.py stays the definition (router_native.py's tests pin this to it, bit for bit:
+// the acceptance arithmetic is in double as Python's floats are, and -std=c11 keeps the compiler
+// from fusing its multiply-adds).
+//
+// Acceptance state (acceptance.py's AcceptanceModel, PositionRates): per drafter, decayed
+// per-position rates over all situations and per situation, shrunk towards a prior.
+#define RT_K 32   // positions kept per rates (the longest routed draft is 15)
+#define RT_S 8    // situations per drafter (top-1 bins: 4; prompt-lookup match sizes: <= 4; copy runs: 5)
+#define RT_D 8    // drafters
+
+typedef struct {
+    double rate[RT_K], weight[RT_K];
+    int64_t n;
+} rt_rates;
+
+typedef struct {
+    rt_rates overall[RT_D];
+    rt_rates by[RT_D][RT_S];
+    double prior_rate[RT_D];          // PRIOR_RATE per drafter
+    double measured[RT_S][RT_K];      // a measured prior per situation (the copy prior), else none
+    int64_t measured_n[RT_S];
+} rt_acceptance;
+
+typedef struct {
+    int64_t n_drafters, n_routed;     // the routed drafters first (Router.drafters order), then those only the MLP's scalars name
+    int64_t lookup;                   // prompt lookup's index among the routed, -1: not routed
+    int64_t min_ngram, max_ngram, longest_run;   // its search (NgramConfig)
+    int64_t copy_run_bins[4];         // acceptance.COPY_RUN_BINS: a copy's situation by its run
+    int64_t by_match[RT_D];           // 1: the drafter's situation is the match size (prompt lookup), else top-1 bins
+    int64_t route_len[RT_D];          // most draft tokens per routed drafter
+    int64_t head_offset[RT_D], head_len[RT_D];   // the MLP's outputs per drafter (head_len 0: no head)
+    int64_t n_feat, feat_drafter[RT_D], feat_k[RT_D];   // the MLP's per-drafter scalars, in its config's order
+    const float *w1, *b1, *w2, *b2;   // the folded MLP (NULL: the cost policy)
+    int64_t d, hidden_width, outputs;
+    double top1_bins[3];
+    double prior_weight, decay, min_seconds;
+} rt_config;
+
+// A round's inputs beside the request's state: per routed drafter d, line[3 d ..] = its catch-up
+// seconds this round and the draft line's a and b (drafting k tokens = catch-up + (a + b k)), then
+// line[3 D + d] = this request's calibration factor of its MLP predictions (< 0: none yet), D the
+// routed drafters; verify[r]: the target's
+// verify of r rows, r <= min(longest draft, limit) + 1. The pick goes to out: drafter (-1: the
+// plain step), k, situation, g, t, the drafting part of t, the MLP's own g - 1 (NaN: none).
+// Then prompt lookup's search (ngram_match_i64's out: match size, start, copy run; 0 without it).
+enum { RT_OUT_DRAFTER, RT_OUT_K, RT_OUT_SITUATION, RT_OUT_TOKENS, RT_OUT_SECONDS, RT_OUT_DRAFTING, RT_OUT_RAW,
+       RT_OUT_MATCH, RT_OUT_START, RT_OUT_RUN, RT_OUT_N };
+
+static void rt_shrunk(const rt_rates *r, const double *fallback, int64_t k, double weight, double *out) {
+    for (int64_t i = 0; i < k; i++) {
+        if (i < r->n) {
+            const double w = r->weight[i];
+            out[i] = (w * r->rate[i] + weight * fallback[i]) / (w + weight);
+        } else {
+            out[i] = fallback[i];
+        }
+    }
+}
+
+// AcceptanceModel._rates: p_1..p_k of drafter d in situation s
+static void rt_rates_of(const rt_acceptance *m, const rt_config *c, int64_t d, int64_t s, int64_t k, double *out) {
+    double prior[RT_K], overall[RT_K];
+    if (m->measured_n[s] > 0) {   // past its last position the measured prior keeps its last rate
+        for (int64_t i = 0; i < k; i++) prior[i] = m->measured[s][i < m->measured_n[s] ? i : m->measured_n[s] - 1];
+        rt_shrunk(&m->by[d][s], prior, k, c->prior_weight, out);
+        return;
+    }
+    for (int64_t i = 0; i < k; i++) prior[i] = m->prior_rate[d];
+    rt_shrunk(&m->overall[d], prior, k, c->prior_weight, overall);
+    rt_shrunk(&m->by[d][s], overall, k, c->prior_weight, out);
+}
+
+// expected_tokens_by_k: g[0..k], g(j) = 1 + sum_{i<=j} prod_{l<=i} p_l
+static void rt_gains(const double *p, int64_t k, double *g) {
+    double survive = 1.0;
+    g[0] = 1.0;
+    for (int64_t i = 0; i < k; i++) {
+        survive *= p[i];
+        g[i + 1] = g[i] + survive;
+    }
+}
+
+static void rt_update_rates(rt_rates *r, int64_t k, int64_t accepted, double decay) {
+    const int64_t upto = accepted + 1 < k ? accepted + 1 : k;
+    for (int64_t i = 0; i < upto && i < RT_K; i++) {
+        if (i == r->n) {
+            r->rate[i] = 0.0, r->weight[i] = 0.0;
+            r->n++;
+        }
+        const double hit = i < accepted ? 1.0 : 0.0, w = decay * r->weight[i] + 1.0;
+        r->rate[i] += (hit - r->rate[i]) / w;
+        r->weight[i] = w;
+    }
+}
+
+// AcceptanceModel.update
+static void rt_update(rt_acceptance *m, const rt_config *c, int64_t d, int64_t s, int64_t k, int64_t accepted) {
+    if (k <= 0 || d < 0 || d >= RT_D || s < 0 || s >= RT_S) return;
+    rt_update_rates(&m->overall[d], k, accepted, c->decay);
+    rt_update_rates(&m->by[d][s], k, accepted, c->decay);
+}
+
+// The rounds' outcomes since the last call, in order: n records (model: 0 the acceptance, 1 the
+// copy's; drafter, situation, k, accepted), as Router.observe made them.
+void router_apply(rt_acceptance *acc, rt_acceptance *copying, const rt_config *c, const int64_t *updates, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t *u = updates + 5 * i;
+        rt_update(u[0] ? copying : acc, c, u[1], u[2], u[3], u[4]);
+    }
+}
+
+// AcceptanceModel.rates, for tests
+void router_rates(const rt_acceptance *m, const rt_config *c, int64_t d, int64_t s, int64_t k, double *out) {
+    rt_rates_of(m, c, d, s, k, out);
+}
+
+static int64_t rt_situation(const rt_config *c, int64_t d, double top1, int64_t match) {
+    if (c->by_match[d]) return match;
+    int64_t s = 0;
+    for (int i = 0; i < 3; i++) s += c->top1_bins[i] <= top1;   // bisect_right
+    return s;
+}
+
+// One round (Router.options(...).best(alpha) for a request alone), after applying the n_updates
+// outcomes since the last (router_apply): ids[0..n] the verified context and the pending token
+// (prompt lookup searches it, Router._lookup_inputs); logits [V] float32; hidden [d] (bf16 or
+// float32; NULL: no learned predictions); the rest as above.
+void router_round(const rt_config *c, rt_acceptance *acc, rt_acceptance *copying, const int64_t *updates,
+                  int64_t n_updates, const int64_t *ids, int64_t n, const float *logits, int64_t vocab,
+                  const void *hidden, int hidden_bf16, int64_t limit, double alpha, double plain,
+                  const double *verify, const double *line, double *out) {
+    router_apply(acc, copying, c, updates, n_updates);
+    int64_t found[3] = {0, 0, 0};   // size, start, copy run
+    if (c->lookup >= 0) ngram_match_i64(ids, n, c->min_ngram, c->max_ngram, c->longest_run, found);
+    const int64_t match = found[0], lookup_room = match ? n + 1 - found[1] : 0;
+    int64_t copy_situation = -1;   // acceptance.copy_situation, where the copy has run
+    if (found[2] > 0) {
+        copy_situation = 0;
+        for (int i = 0; i < 4; i++) copy_situation += c->copy_run_bins[i] <= found[2];
+    }
+    out[RT_OUT_MATCH] = found[0], out[RT_OUT_START] = found[1], out[RT_OUT_RUN] = found[2];
+    float stats[2];
+    softmax_stats_f32(logits, vocab, stats);
+    const double top1 = stats[1];
+    float p[RT_D * RT_K];
+    const int learned = c->w1 != NULL && hidden != NULL;
+    if (learned) {   // router_mlp.scalar_features, then the MLP (RouterMLP.rates_at)
+        float scalars[4 + 3 * RT_D];
+        int64_t ns = 0;
+        scalars[ns++] = stats[0], scalars[ns++] = stats[1];
+        scalars[ns++] = match == 2 ? 1.0f : 0.0f, scalars[ns++] = match >= 3 ? 1.0f : 0.0f;
+        for (int64_t f = 0; f < c->n_feat; f++) {   // AcceptanceModel.summary
+            const int64_t d = c->feat_drafter[f], k = c->feat_k[f], s = rt_situation(c, d, top1, match);
+            double rates[RT_K], g[RT_K + 1];
+            rt_rates_of(acc, c, d, s, k, rates);
+            rt_gains(rates, k, g);
+            const double seen = acc->by[d][s].n > 0 ? acc->by[d][s].weight[0] : 0.0;
+            scalars[ns++] = (float)rates[0];
+            scalars[ns++] = (float)((g[k] - 1.0) / (double)k);
+            scalars[ns++] = (float)(seen / (seen + c->prior_weight));
+        }
+        mlp2_at_f32(hidden, c->d, hidden_bf16, scalars, ns, c->w1, c->b1, c->hidden_width, c->w2, c->b2, c->outputs, p);
+    }
+    // the plain step first; then every routed drafter's k = 1..k_max (Options.best: strict >, so
+    // the earlier candidate wins a tie)
+    const double t1 = fmax(plain + verify[1], c->min_seconds);
+    double top_score = 1.0 / pow(t1, alpha);
+    out[RT_OUT_DRAFTER] = -1, out[RT_OUT_K] = 0, out[RT_OUT_SITUATION] = 0, out[RT_OUT_TOKENS] = 1.0;
+    out[RT_OUT_SECONDS] = t1, out[RT_OUT_DRAFTING] = plain, out[RT_OUT_RAW] = NAN;
+    for (int64_t d = 0; d < c->n_routed; d++) {
+        int64_t k_max = c->route_len[d] < limit ? c->route_len[d] : limit;
+        if (d == c->lookup && lookup_room < k_max) k_max = lookup_room;
+        if (k_max <= 0) continue;
+        const int64_t s = rt_situation(c, d, top1, match);
+        const double catch_up = line[3 * d], a = line[3 * d + 1], b = line[3 * d + 2], factor = line[3 * c->n_routed + d];
+        double rates[RT_K], gains[RT_K + 1], raw[RT_K + 1];
+        int has_raw = 0;
+        if (d == c->lookup && copy_situation >= 0) {   // a copy's rates by its copy run
+            rt_rates_of(copying, c, d, copy_situation, k_max, rates);
+            rt_gains(rates, k_max, gains);
+        } else if (learned && c->head_len[d] > 0) {   // the MLP's, past its positions its last
+            const float *h = p + c->head_offset[d];
+            for (int64_t i = 0; i < k_max; i++) rates[i] = h[i < c->head_len[d] ? i : c->head_len[d] - 1];
+            rt_gains(rates, k_max, raw);
+            has_raw = 1;
+            if (factor >= 0.0) {   // this request's calibration (router.Calibration)
+                for (int64_t i = 0; i < k_max; i++) rates[i] = fmin(rates[i] * factor, 1.0);
+                rt_gains(rates, k_max, gains);
+            } else {
+                memcpy(gains, raw, (k_max + 1) * sizeof(double));
+            }
+        } else {
+            rt_rates_of(acc, c, d, s, k_max, rates);
+            rt_gains(rates, k_max, gains);
+        }
+        for (int64_t k = 1; k <= k_max; k++) {
+            const double drafting = plain + (catch_up + (a + b * (double)k));
+            const double t = fmax(drafting + verify[k + 1], c->min_seconds);
+            const double score = gains[k] / pow(t, alpha);
+            if (score > top_score) {
+                top_score = score;
+                out[RT_OUT_DRAFTER] = d, out[RT_OUT_K] = k, out[RT_OUT_SITUATION] = s, out[RT_OUT_TOKENS] = gains[k];
+                out[RT_OUT_SECONDS] = t, out[RT_OUT_DRAFTING] = drafting, out[RT_OUT_RAW] = has_raw ? raw[k] - 1.0 : NAN;
+            }
+        }
+    }
+}
