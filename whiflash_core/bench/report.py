@@ -209,7 +209,19 @@ def setup_line(results: dict) -> str:
     return (f"{c['workload_name']}: {c['prompts']} prompts, max {c['max_tokens']} tokens, {c['repeats']} repeat(s), "
             f"{c['mode']}, {m['dtype']}{' int4 weights' if c.get('weights') == 'int4' else ''}, "
             f"{m['threads']} thread(s), drafters: {c['drafters']}; "
-            f"{m['cpu']} ({m['cores']} cores), torch {m['torch']}, transformers {m['transformers']}, commit {commit}")
+            f"{m['cpu']} ({m['cores']} cores{isa_note(m)}), torch {m['torch']}, transformers {m['transformers']}, "
+            f"commit {commit}")
+
+
+def isa_note(machine: dict) -> str:
+    """', ISA ...; torch kernels ... (forced ...)' from a results file's machine description ('' in
+    files from before it recorded them)."""
+    flags, kernels, forced = machine.get("cpu_flags"), machine.get("torch_cpu_capability"), machine.get("forced_isa")
+    note = f", ISA {' '.join(flags)}" if flags else ""
+    note += f"; torch kernels {kernels}" if kernels else ""
+    if forced:
+        note += " (forced: " + " ".join(f"{k}={v}" for k, v in forced.items()) + ")"
+    return note
 
 
 def agreement_lines(results: dict) -> list[str]:
