@@ -614,6 +614,7 @@ class Generation:
         # (sampled from the residual max(0, p - q), renormalised) or, when a = k, the bonus.
         logits = self._target_logits(out.logits, draft)   # penalties and logit_bias, row by row
         a, nxt = self._verify(logits, draft, masks)
+        self.router.prefetch(out.logits[a])   # the next round routes from this row
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
         self.cache.rollback(n + a + 1)
         if self.tap_layers:

@@ -64,6 +64,8 @@ def _library():
     lib.router_round.argtypes = [p, p, p, p, i64, p, i64, p, i64, p, ctypes.c_int, i64, ctypes.c_double,
                                  ctypes.c_double, p, p, p]
     lib.router_round.restype = None
+    lib.router_prefetch.argtypes = [p, p, i64]
+    lib.router_prefetch.restype = None
     lib.router_apply.argtypes = [p, p, p, p, i64]
     lib.router_apply.restype = None
     lib.router_rates.argtypes = [p, p, i64, i64, i64, p]
@@ -120,6 +122,7 @@ class NativeRound:
         self._pending: list[int] = []
         self._updates = (ctypes.c_int64 * (5 * MAX_PENDING))()
         self._mlp = None   # the MLP's C call whose weights cfg points at (RouterMLP._folded)
+        self._ids = self._verify_list = None   # the token buffer checked, the verify curve written last
         self._args = (ctypes.byref(self.cfg), ctypes.byref(self.acc), ctypes.byref(self.copying))
         self._round_args = (self._args[0], self._args[1], self._args[2], self._updates)
 
@@ -163,8 +166,10 @@ class NativeRound:
         if logits.dtype is not torch.float32 or not logits.is_cpu or logits.dim() != 1 or not logits.is_contiguous():
             return None
         ids, n = ctx.ids, ctx.n
-        if ids.dtype is not torch.int64 or not ids.is_cpu or not ids.is_contiguous():
-            return None
+        if ids is not self._ids:   # a request's token buffer changes only when it grows
+            if ids.dtype is not torch.int64 or not ids.is_cpu or not ids.is_contiguous():
+                return None
+            self._ids = ids
         router, c = self._router, self.cfg
         learned = router.learned is not None and hidden is not None
         if learned:
@@ -173,7 +178,9 @@ class NativeRound:
             if hidden.dtype not in (torch.bfloat16, torch.float32) or not hidden.is_contiguous():
                 hidden = hidden.float().contiguous()
         verify = router.costs.verify.estimates(min(router.longest_draft, limit) + 1)
-        self._verify[:len(verify)] = verify
+        if verify is not self._verify_list:   # the same list while the cost model is not adaptive
+            self._verify[:len(verify)] = verify
+            self._verify_list = verify
         # per drafter: catch-up (the prompt is charged to no round, Router.__init__) and the draft
         # line, then the calibration of the MLP's predictions
         costs, calibration, seen_from, drafters = router.costs, router.calibration, router.prompt_len, router.drafters
@@ -203,6 +210,12 @@ class NativeRound:
             return self._candidate(None, 0, 1.0, seconds, drafting)
         return self._candidate(self.names[int(d)], int(k), tokens, seconds, drafting, int(where),
                                None if math.isnan(raw) else raw)
+
+    def prefetch(self, logits: torch.Tensor) -> None:
+        """Start reading the next round's cold inputs (the MLP's weights, `logits`: the row the next
+        round takes statistics of) while the round finishes; nothing else changes."""
+        if logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 1 and logits.is_contiguous():
+            self._lib.router_prefetch(self._args[0], logits.data_ptr(), logits.shape[0])
 
     def update(self, drafter: str, where: int, k: int, accepted: int) -> None:
         """AcceptanceModel.update of the router's `acceptance`, on this copy (applied with the next
