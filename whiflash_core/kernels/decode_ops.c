@@ -1472,10 +1472,10 @@ typedef struct {
 // A round's inputs beside the request's state: per routed drafter d, line[3 d ..] = its catch-up
 // seconds this round and the draft line's a and b (drafting k tokens = catch-up + (a + b k)), then
 // line[3 D + d] = this request's calibration factor of its MLP predictions (< 0: none yet), D the
-// routed drafters; verify[r]: the target's
-// verify of r rows, r <= min(longest draft, limit) + 1. The pick goes to out: drafter (-1: the
-// plain step), k, situation, g, t, the drafting part of t, the MLP's own g - 1 (NaN: none).
-// Then prompt lookup's search (ngram_match_i64's out: match size, start, copy run; 0 without it).
+// routed drafters; verify[r]: the target's verify of r rows, r <= min(longest draft, limit) + 1.
+// The pick goes to out: drafter (-1: the plain step), k, situation, g, t, the drafting part of t,
+// the MLP's own g - 1 (NaN: none); then prompt lookup's search (ngram_match_i64's out: match size,
+// start, copy run; 0 without it).
 enum { RT_OUT_DRAFTER, RT_OUT_K, RT_OUT_SITUATION, RT_OUT_TOKENS, RT_OUT_SECONDS, RT_OUT_DRAFTING, RT_OUT_RAW,
        RT_OUT_MATCH, RT_OUT_START, RT_OUT_RUN, RT_OUT_N };
 
