@@ -241,9 +241,7 @@ class CostModel:
     def drafting_line(self, drafter: str, backlog: int) -> tuple[float, float, float]:
         """(catch-up seconds for `backlog`, a, b) with drafting k tokens = catch-up + (a + b k): the
         router prices every draft length of every drafter each round from these three numbers."""
-        catch_up, draft = self.catch_up.get(drafter), self.draft.get(drafter)
-        return (self.catch_up_share * catch_up(backlog) if catch_up and backlog > 0 else 0.0,
-                *(draft.coefficients() if draft else (0.0, 0.0)))
+        return tuple(self.drafting_lines((drafter,), (backlog,)))
 
     def drafting_lines(self, drafters, backlogs) -> list[float]:
         """`drafting_line` of each drafter with its backlog, flattened: [catch-up, a, b] after

@@ -58,6 +58,16 @@ def _library() -> ctypes.CDLL | None:
     lib.mlp2_at_f32.restype = None
     lib.attention_amx_enable.argtypes = [ctypes.c_int]
     lib.attention_amx_enable.restype = ctypes.c_int
+    # the router's round (router_native.py)
+    lib.router_round.argtypes = [p, p, p, p, i64, p, i64, p, i64, p, ctypes.c_int, i64, ctypes.c_double,
+                                 ctypes.c_double, p, p, p]
+    lib.router_round.restype = None
+    lib.router_prefetch.argtypes = [p, p, i64]
+    lib.router_prefetch.restype = None
+    lib.router_apply.argtypes = [p, p, p, p, i64]
+    lib.router_apply.restype = None
+    lib.router_rates.argtypes = [p, p, i64, i64, i64, p]
+    lib.router_rates.restype = None
     return lib
 
 

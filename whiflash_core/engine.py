@@ -614,14 +614,14 @@ class Generation:
         # (sampled from the residual max(0, p - q), renormalised) or, when a = k, the bonus.
         logits = self._target_logits(out.logits, draft)   # penalties and logit_bias, row by row
         a, nxt = self._verify(logits, draft, masks)
-        self.router.prefetch(out.logits[a])   # the next round routes from this row
+        self.last_logits, self.last_hidden = out.logits[a], out.last_hidden[a]   # where the next round routes from
+        self.router.prefetch(self.last_logits)
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
         self.cache.rollback(n + a + 1)
         if self.tap_layers:
             self.taps[n:n + a + 1] = out.taps[: a + 1]
         emitted = draft.tokens[:a].tolist() + [nxt]
         self.ids[n + 1:n + a + 2] = torch.tensor(emitted, device=self.device)
-        self.last_logits, self.last_hidden = out.logits[a], out.last_hidden[a]
         clock.lap("verify")
         r = Round(self.rounds + 1, route.drafter, k, a, switched=route.switched, entropy=route.entropy,
                   times=clock.times, fallback_from=plan.failed)

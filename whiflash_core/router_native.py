@@ -16,7 +16,6 @@ Python's floats are, and the C build keeps multiply-adds unfused).
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 from typing import TYPE_CHECKING
 
@@ -43,7 +42,7 @@ class _Acceptance(ctypes.Structure):
 
 
 class _Config(ctypes.Structure):
-    _fields_ = [("n_drafters", ctypes.c_int64), ("n_routed", ctypes.c_int64), ("lookup", ctypes.c_int64),
+    _fields_ = [("n_routed", ctypes.c_int64), ("lookup", ctypes.c_int64),
                 ("min_ngram", ctypes.c_int64), ("max_ngram", ctypes.c_int64), ("longest_run", ctypes.c_int64),
                 ("copy_run_bins", ctypes.c_int64 * 4),
                 ("by_match", ctypes.c_int64 * D),
@@ -53,24 +52,6 @@ class _Config(ctypes.Structure):
                 ("d", ctypes.c_int64), ("hidden_width", ctypes.c_int64), ("outputs", ctypes.c_int64),
                 ("top1_bins", ctypes.c_double * 3), ("prior_weight", ctypes.c_double), ("decay", ctypes.c_double),
                 ("min_seconds", ctypes.c_double)]
-
-
-@functools.cache
-def _library():
-    lib = decode_ops._library()
-    if lib is None:
-        return None
-    p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.router_round.argtypes = [p, p, p, p, i64, p, i64, p, i64, p, ctypes.c_int, i64, ctypes.c_double,
-                                 ctypes.c_double, p, p, p]
-    lib.router_round.restype = None
-    lib.router_prefetch.argtypes = [p, p, i64]
-    lib.router_prefetch.restype = None
-    lib.router_apply.argtypes = [p, p, p, p, i64]
-    lib.router_apply.restype = None
-    lib.router_rates.argtypes = [p, p, i64, i64, i64, p]
-    lib.router_rates.restype = None
-    return lib
 
 
 class NativeRound:
@@ -87,7 +68,7 @@ class NativeRound:
         self.names = routed + [n for n in feat if n not in routed]
         self.index = {n: i for i, n in enumerate(self.names)}
         c = self.cfg = _Config()
-        c.n_drafters, c.n_routed = len(self.names), len(routed)
+        c.n_routed = len(routed)
         c.lookup = self.index[LOOKUP] if LOOKUP in routed else -1
         self.lookup_name, self.copy_len = LOOKUP, router.route_lens.get(LOOKUP, 0)
         if LOOKUP in routed:
@@ -130,7 +111,7 @@ class NativeRound:
     def make(cls, router: Router) -> NativeRound | None:
         from .router import LOOKUP
 
-        lib = _library()
+        lib = decode_ops._library()
         if lib is None or not router.routes or router.policy not in ("cost", "learned"):
             return None
         if len(acceptance.COPY_RUN_BINS) != 4 or len(acceptance.TOP1_BINS) != 3:   # the C config's arrays
@@ -202,10 +183,10 @@ class NativeRound:
         d, k, where, tokens, seconds, drafting, raw, match, start, run = self._out
         router._copy = None
         if c.lookup >= 0:   # what Router._lookup_inputs keeps: the search for propose, the copy for observe
-            match, start, run = int(match), int(start), int(run)
-            states[self.lookup_name].last = (n, (match, start) if match else (0, 0), run)
+            lookup, match, start, run = router.drafters[self.lookup_name], int(match), int(start), int(run)
+            lookup.keep(states[self.lookup_name], n, (match, start, run))
             if match:
-                router._copy = (acceptance.copy_situation(run), ids[start:min(start + self.copy_len, n + 1)].tolist())
+                router._copy = (acceptance.copy_situation(run), lookup.copy(ids, n, start, self.copy_len))
         if d < 0:
             return self._candidate(None, 0, 1.0, seconds, drafting)
         return self._candidate(self.names[int(d)], int(k), tokens, seconds, drafting, int(where),

@@ -64,9 +64,14 @@ class NgramDrafter(Drafter):
         found = decode_ops.ngram_match(ids, n, cfg.min_ngram, cfg.max_ngram, cfg.longest_run)
         if found is None:
             found = _match_py(ids[:n + 1].tolist(), cfg)
-        size, start, run = found
-        state.last = (n, (size, start), run)
-        return size, start
+        self.keep(state, n, found)
+        return found[0], found[1]
+
+    @staticmethod
+    def keep(state: NgramState, n: int, found: tuple[int, int, int]) -> None:
+        """Keep the search at n, (size, start, copy run), for the round's later asks (`match`,
+        `copy_run`), whoever searched (the router's C round searches with the same C scan)."""
+        state.last = (n, (found[0], found[1]), found[2])
 
     def copy_run(self, state: NgramState, n: int, start: int) -> int:
         """How many tokens up to the pending one equal those before `start` (the copy source): the

@@ -1455,7 +1455,7 @@ typedef struct {
 } rt_acceptance;
 
 typedef struct {
-    int64_t n_drafters, n_routed;     // the routed drafters first (Router.drafters order), then those only the MLP's scalars name
+    int64_t n_routed;                 // the routed drafters first (Router.drafters order), then those only the MLP's scalars name
     int64_t lookup;                   // prompt lookup's index among the routed, -1: not routed
     int64_t min_ngram, max_ngram, longest_run;   // its search (NgramConfig)
     int64_t copy_run_bins[4];         // acceptance.COPY_RUN_BINS: a copy's situation by its run
