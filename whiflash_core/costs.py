@@ -241,15 +241,17 @@ class CostModel:
     def drafting_line(self, drafter: str, backlog: int) -> tuple[float, float, float]:
         """(catch-up seconds for `backlog`, a, b) with drafting k tokens = catch-up + (a + b k): the
         router prices every draft length of every drafter each round from these three numbers."""
-        return tuple(self.drafting_lines((drafter,), (backlog,)))
+        ca, cb, a, b = self.drafting_coefficients((drafter,))
+        return (self.catch_up_share * (ca + cb * backlog) if backlog > 0 else 0.0), a, b
 
-    def drafting_lines(self, drafters, backlogs) -> list[float]:
-        """`drafting_line` of each drafter with its backlog, flattened: [catch-up, a, b] after
-        another (the C round's call reads them as one array, router_native.py)."""
-        out, share, catch_ups, drafts = [], self.catch_up_share, self.catch_up, self.draft
-        for drafter, backlog in zip(drafters, backlogs):
-            catch_up, draft = catch_ups.get(drafter), drafts.get(drafter)
-            out.append(share * catch_up(backlog) if catch_up and backlog > 0 else 0.0)
+    def drafting_coefficients(self, drafters) -> list[float]:
+        """Per drafter its catch-up line's a and b and its draft line's a and b, flattened (0, 0
+        for a line not measured): `drafting_line`'s numbers before the backlog, which the C round
+        reads as one array and prices each round's backlogs from (router_native.py)."""
+        out = []
+        for drafter in drafters:
+            catch_up, draft = self.catch_up.get(drafter), self.draft.get(drafter)
+            out += catch_up.coefficients() if catch_up else (0.0, 0.0)
             out += draft.coefficients() if draft else (0.0, 0.0)
         return out
 

@@ -60,7 +60,7 @@ def _library() -> ctypes.CDLL | None:
     lib.attention_amx_enable.restype = ctypes.c_int
     # the router's round (router_native.py)
     lib.router_round.argtypes = [p, p, p, p, i64, p, i64, p, i64, p, ctypes.c_int, i64, ctypes.c_double,
-                                 ctypes.c_double, p, p, p]
+                                 ctypes.c_double, p, p, p, p]
     lib.router_round.restype = None
     lib.router_prefetch.argtypes = [p, p, i64]
     lib.router_prefetch.restype = None

@@ -473,7 +473,10 @@ class Router:
             if self.native is not None:
                 self.native.update(route.drafter, route.situation, r.draft_len, r.accepted)
             if route.predicted_accepted is not None and r.draft_len > 0:
-                self.calibration.setdefault(route.drafter, Calibration()).add(route.predicted_accepted, r.accepted)
+                calibration = self.calibration.setdefault(route.drafter, Calibration())
+                calibration.add(route.predicted_accepted, r.accepted)
+                if self.native is not None:
+                    self.native.calibrated(route.drafter, calibration.factor())
         if self._copy is not None:
             self._observe_copy(*self._copy, r.tokens)
             self._copy = None

@@ -51,7 +51,7 @@ class _Config(ctypes.Structure):
                 ("w1", ctypes.c_void_p), ("b1", ctypes.c_void_p), ("w2", ctypes.c_void_p), ("b2", ctypes.c_void_p),
                 ("d", ctypes.c_int64), ("hidden_width", ctypes.c_int64), ("outputs", ctypes.c_int64),
                 ("top1_bins", ctypes.c_double * 3), ("prior_weight", ctypes.c_double), ("decay", ctypes.c_double),
-                ("min_seconds", ctypes.c_double)]
+                ("min_seconds", ctypes.c_double), ("catch_up_share", ctypes.c_double), ("seen_from", ctypes.c_int64)]
 
 
 class NativeRound:
@@ -96,13 +96,22 @@ class NativeRound:
             self.copying.measured_n[where] = min(len(rates), K)
             self.copying.measured[where][:min(len(rates), K)] = rates[:K]
         self._verify = (ctypes.c_double * (K + 2))()   # a round's inputs and output (router_round)
-        self._line = (ctypes.c_double * (4 * D))()   # 3 per drafter, then the calibration factors
+        # 4 per drafter (its catch-up and draft lines), then the calibration factors: the lines are
+        # written when they change (every round only while the cost model adapts), the factors
+        # when a round's outcome moves one (`calibrated`)
+        self._line = (ctypes.c_double * (5 * D))()
+        self._lines_set = False
+        for i in range(c.n_routed):
+            self._line[4 * c.n_routed + i] = -1.0
+        self._states: list | None = None   # the request's DrafterStates, routed drafters' order
+        self._seen = (ctypes.c_int64 * D)()
         self._out = (ctypes.c_double * 10)()
         # the rounds' outcomes not yet applied to the C state: 5 ints each (router_apply), passed
         # with the next round's call (observe is one list append, not a C call of its own)
         self._pending: list[int] = []
         self._updates = (ctypes.c_int64 * (5 * MAX_PENDING))()
         self._mlp = None   # the MLP's C call whose weights cfg points at (RouterMLP._folded)
+        self._mlp_fixed = False   # the MLP is frozen (serving): bound once for the request
         self._ids = self._verify_list = None   # the token buffer checked, the verify curve written last
         self._args = (ctypes.byref(self.cfg), ctypes.byref(self.acc), ctypes.byref(self.copying))
         self._round_args = (self._args[0], self._args[1], self._args[2], self._updates)
@@ -127,9 +136,11 @@ class NativeRound:
 
     def _bind_mlp(self) -> bool:
         """Point the config at the learned MLP's folded weights (again if they were refolded)."""
-        call = self._router.learned._folded()[2]
+        learned = self._router.learned
+        call = learned._folded()[2]
         if call is None:
             return False
+        self._mlp_fixed = learned.__dict__.get("_frozen") is not None
         if call is not self._mlp:
             w1, b1, w2, b2 = call._weights
             c = self.cfg
@@ -138,7 +149,7 @@ class NativeRound:
             self._mlp = call
         return True
 
-    def pick(self, states: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, hidden: torch.Tensor | None,
+    def pick(self, states_by_name: dict[str, DrafterState], ctx: Context, logits: torch.Tensor, hidden: torch.Tensor | None,
              limit: int) -> Candidate | None:
         """Router.options' pick for a request alone (its arguments; `limit` >= 0): Options.best of
         Router._gain_options, with Router._lookup_inputs' search (the copy kept for `observe`, the
@@ -154,22 +165,25 @@ class NativeRound:
         router, c = self._router, self.cfg
         learned = router.learned is not None and hidden is not None
         if learned:
-            if not self._bind_mlp() or hidden.shape != (c.d,) or not hidden.is_cpu:
+            if not (self._mlp_fixed or self._bind_mlp()) or hidden.shape != (c.d,) or not hidden.is_cpu:
                 return None
             if hidden.dtype not in (torch.bfloat16, torch.float32) or not hidden.is_contiguous():
                 hidden = hidden.float().contiguous()
-        verify = router.costs.verify.estimates(min(router.longest_draft, limit) + 1)
+        costs = router.costs
+        verify = costs.verify.estimates(min(router.longest_draft, limit) + 1)
         if verify is not self._verify_list:   # the same list while the cost model is not adaptive
             self._verify[:len(verify)] = verify
             self._verify_list = verify
-        # per drafter: catch-up (the prompt is charged to no round, Router.__init__) and the draft
-        # line, then the calibration of the MLP's predictions
-        costs, calibration, seen_from, drafters = router.costs, router.calibration, router.prompt_len, router.drafters
-        line = costs.drafting_lines(drafters, [max(n - max(states[name].n_seen, seen_from), 0) for name in drafters])
-        for name in drafters:
-            cal = calibration.get(name)
-            line.append(cal.factor() if cal is not None else -1.0)
-        self._line[:len(line)] = line
+        if not self._lines_set or costs.adaptive:   # the drafters' catch-up and draft lines
+            self._line[:4 * c.n_routed] = costs.drafting_coefficients(router.drafters)
+            c.catch_up_share, self._lines_set = costs.catch_up_share, True
+        states = self._states
+        if states is None:   # the request's states, once (the objects stay; their n_seen moves)
+            states = self._states = [states_by_name[name] for name in router.drafters]
+        seen = self._seen
+        for i, state in enumerate(states):
+            seen[i] = state.n_seen
+        c.seen_from = router.prompt_len   # the prompt is charged to no round (Router.__init__)
         pending = self._pending
         if len(pending) > 5 * MAX_PENDING:   # many shared steps since this request last routed alone
             self.flush()
@@ -179,12 +193,12 @@ class NativeRound:
             pending.clear()
         self._lib.router_round(*self._round_args, count, ids.data_ptr(), n, logits.data_ptr(), logits.shape[0],
                                hidden.data_ptr() if learned else None, learned and hidden.dtype is torch.bfloat16,
-                               limit, router.alpha, costs.router.value, self._verify, self._line, self._out)
+                               limit, router.alpha, costs.router.value, self._verify, self._line, seen, self._out)
         d, k, where, tokens, seconds, drafting, raw, match, start, run = self._out
         router._copy = None
         if c.lookup >= 0:   # what Router._lookup_inputs keeps: the search for propose, the copy for observe
             lookup, match, start, run = router.drafters[self.lookup_name], int(match), int(start), int(run)
-            lookup.keep(states[self.lookup_name], n, (match, start, run))
+            lookup.keep(states_by_name[self.lookup_name], n, (match, start, run))
             if match:
                 router._copy = (acceptance.copy_situation(run), lookup.copy(ids, n, start, self.copy_len))
         if d < 0:
@@ -197,6 +211,12 @@ class NativeRound:
         round takes statistics of) while the round finishes; nothing else changes."""
         if logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 1 and logits.is_contiguous():
             self._lib.router_prefetch(self._args[0], logits.data_ptr(), logits.shape[0])
+
+    def calibrated(self, drafter: str, factor: float) -> None:
+        """The request's calibration factor of `drafter` is now `factor` (Calibration.factor)."""
+        i = self.index.get(drafter, D)
+        if i < self.cfg.n_routed:
+            self._line[4 * self.cfg.n_routed + i] = factor
 
     def update(self, drafter: str, where: int, k: int, accepted: int) -> None:
         """AcceptanceModel.update of the router's `acceptance`, on this copy (applied with the next

@@ -1467,12 +1467,16 @@ typedef struct {
     int64_t d, hidden_width, outputs;
     double top1_bins[3];
     double prior_weight, decay, min_seconds;
+    double catch_up_share;            // costs.CATCH_UP_SHARE: a catch-up is priced at this share of its time
+    int64_t seen_from;                // the prompt's length: no drafter's backlog reaches before it (Router.__init__)
 } rt_config;
 
-// A round's inputs beside the request's state: per routed drafter d, line[3 d ..] = its catch-up
-// seconds this round and the draft line's a and b (drafting k tokens = catch-up + (a + b k)), then
-// line[3 D + d] = this request's calibration factor of its MLP predictions (< 0: none yet), D the
-// routed drafters; verify[r]: the target's verify of r rows, r <= min(longest draft, limit) + 1.
+// A round's inputs beside the request's state: per routed drafter d, line[4 d ..] = its catch-up
+// line's a and b (seconds for a backlog of x positions: a + b x, both 0 without one) and its draft
+// line's a and b (drafting k tokens = catch-up + (a + b k), costs.CostModel.drafting_lines), then
+// line[4 D + d] = this request's calibration factor of its MLP predictions (< 0: none yet), D the
+// routed drafters; seen[d]: the positions drafter d has seen (DrafterState.n_seen); verify[r]: the
+// target's verify of r rows, r <= min(longest draft, limit) + 1.
 // The pick goes to out: drafter (-1: the plain step), k, situation, g, t, the drafting part of t,
 // the MLP's own g - 1 (NaN: none); then prompt lookup's search (ngram_match_i64's out: match size,
 // start, copy run; 0 without it).
@@ -1577,7 +1581,7 @@ static int64_t rt_situation(const rt_config *c, int64_t d, double top1, int64_t 
 void router_round(const rt_config *c, rt_acceptance *acc, rt_acceptance *copying, const int64_t *updates,
                   int64_t n_updates, const int64_t *ids, int64_t n, const float *logits, int64_t vocab,
                   const void *hidden, int hidden_bf16, int64_t limit, double alpha, double plain,
-                  const double *verify, const double *line, double *out) {
+                  const double *verify, const double *line, const int64_t *seen, double *out) {
     router_apply(acc, copying, c, updates, n_updates);
     int64_t found[3] = {0, 0, 0};   // size, start, copy run
     if (c->lookup >= 0) ngram_match_i64(ids, n, c->min_ngram, c->max_ngram, c->longest_run, found);
@@ -1621,7 +1625,10 @@ void router_round(const rt_config *c, rt_acceptance *acc, rt_acceptance *copying
         if (d == c->lookup && lookup_room < k_max) k_max = lookup_room;
         if (k_max <= 0) continue;
         const int64_t s = rt_situation(c, d, top1, match);
-        const double catch_up = line[3 * d], a = line[3 * d + 1], b = line[3 * d + 2], factor = line[3 * c->n_routed + d];
+        // its backlog and catch-up (CostModel.drafting_lines): share * (a + b x), 0 for no backlog
+        const int64_t from = seen[d] > c->seen_from ? seen[d] : c->seen_from, backlog = n - from > 0 ? n - from : 0;
+        const double catch_up = backlog > 0 ? c->catch_up_share * (line[4 * d] + line[4 * d + 1] * (double)backlog) : 0.0;
+        const double a = line[4 * d + 2], b = line[4 * d + 3], factor = line[4 * c->n_routed + d];
         double rates[RT_K], gains[RT_K + 1], raw[RT_K + 1];
         int has_raw = 0;
         if (d == c->lookup && copy_situation >= 0) {   // a copy's rates by its copy run
