@@ -62,8 +62,6 @@ def _library() -> ctypes.CDLL | None:
     lib.router_round.argtypes = [p, p, p, p, i64, p, i64, p, i64, p, ctypes.c_int, i64, ctypes.c_double,
                                  ctypes.c_double, p, p, p, p]
     lib.router_round.restype = None
-    lib.router_prefetch.argtypes = [p, p, i64]
-    lib.router_prefetch.restype = None
     lib.router_apply.argtypes = [p, p, p, p, i64]
     lib.router_apply.restype = None
     lib.router_rates.argtypes = [p, p, i64, i64, i64, p]

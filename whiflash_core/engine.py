@@ -615,7 +615,6 @@ class Generation:
         logits = self._target_logits(out.logits, draft)   # penalties and logit_bias, row by row
         a, nxt = self._verify(logits, draft, masks)
         self.last_logits, self.last_hidden = out.logits[a], out.last_hidden[a]   # where the next round routes from
-        self.router.prefetch(self.last_logits)
         # commit: the cache keeps pending + d1..da (positions n..n+a); nxt becomes the new pending token
         self.cache.rollback(n + a + 1)
         if self.tap_layers:

@@ -460,12 +460,6 @@ class Router:
         return Route(c.drafter, c.k, situation=c.situation, expected_tokens=c.tokens, expected_s=c.seconds,
                      predicted_accepted=c.predicted_accepted)
 
-    def prefetch(self, logits: torch.Tensor) -> None:
-        """The next round's logits row is known (the forward is verified): where the C round routes,
-        start reading its cold inputs (router_native.NativeRound.prefetch)."""
-        if self.native is not None:
-            self.native.prefetch(logits)
-
     def observe(self, route: Route, r: Round) -> None:
         """Learn from the round `route` led to: its drafter's acceptance, the round's costs."""
         if route.drafter is not None:

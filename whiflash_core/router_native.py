@@ -206,12 +206,6 @@ class NativeRound:
         return self._candidate(self.names[int(d)], int(k), tokens, seconds, drafting, int(where),
                                None if math.isnan(raw) else raw)
 
-    def prefetch(self, logits: torch.Tensor) -> None:
-        """Start reading the next round's cold inputs (the MLP's weights, `logits`: the row the next
-        round takes statistics of) while the round finishes; nothing else changes."""
-        if logits.dtype is torch.float32 and logits.is_cpu and logits.dim() == 1 and logits.is_contiguous():
-            self._lib.router_prefetch(self._args[0], logits.data_ptr(), logits.shape[0])
-
     def calibrated(self, drafter: str, factor: float) -> None:
         """The request's calibration factor of `drafter` is now `factor` (Calibration.factor)."""
         i = self.index.get(drafter, D)

@@ -1551,22 +1551,6 @@ void router_rates(const rt_acceptance *m, const rt_config *c, int64_t d, int64_t
     rt_rates_of(m, c, d, s, k, out);
 }
 
-// Start reading what the next round's call reads first and cold (the MLP's weights, the logits row
-// it will take statistics of) while the caller finishes this round: after a target forward has
-// streamed its weights through the caches, both come from memory otherwise (~20 us of the call).
-void router_prefetch(const rt_config *c, const float *logits, int64_t vocab) {
-    if (c->w1 != NULL) {
-        const char *w1 = (const char *)c->w1, *w2 = (const char *)c->w2;
-        const int64_t f = c->d + 4 + 3 * c->n_feat;
-        for (int64_t i = 0; i < c->hidden_width * f * (int64_t)sizeof(float); i += 64) _mm_prefetch(w1 + i, _MM_HINT_T1);
-        for (int64_t i = 0; i < c->outputs * c->hidden_width * (int64_t)sizeof(float); i += 64) _mm_prefetch(w2 + i, _MM_HINT_T1);
-    }
-    if (logits != NULL) {
-        const char *l = (const char *)logits;
-        for (int64_t i = 0; i < vocab * (int64_t)sizeof(float); i += 64) _mm_prefetch(l + i, _MM_HINT_T1);
-    }
-}
-
 static int64_t rt_situation(const rt_config *c, int64_t d, double top1, int64_t match) {
     if (c->by_match[d]) return match;
     int64_t s = 0;
