@@ -390,3 +390,16 @@ def test_a_context_timing_runs_real_forwards_at_both_contexts(monkeypatch):
     assert set(table) == set(machine.CONTEXT_ROWS) and min(table.values()) >= 0.0
     for r in machine.CONTEXT_ROWS:
         assert starts.count((machine.CONTEXT, r)) >= 2 and starts.count((600, r)) == 2
+
+
+def test_the_start_that_times_a_verify_table_prices_as_the_starts_that_read_it(tmp_path, monkeypatch, quiet_machine,
+                                                                             no_spot_check):
+    """The table is cached to the microsecond; the start that timed it returns it so too, or its
+    rounds would be priced a hair apart from every later start's (and route apart at a near-tie)."""
+    monkeypatch.setenv("WHIFLASH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(machine, "_time_verify", lambda *a: ({1: 3.0004567e-3, 4: 5.0001234e-3},
+                                                             {4: 5.1234567e-3, 8: 9.7654321e-3}))
+    target = tiny_target(torch.float32)
+    timed = verify_tables(target)
+    assert timed == ({1: 3.000e-3, 4: 5.000e-3}, {4: 5.123e-3, 8: 9.765e-3})
+    assert verify_tables(target) == timed

@@ -10,7 +10,8 @@ The expected time of a round that drafts k tokens with drafter d is
   few seconds, cached per machine and format), interpolated between the timed row counts.
 - `catch_up_d(backlog)` and `draft_d(k)`: per drafter, a straight line a + b x through phase
   times (`RoundTimes.catch_up`, `.draft`), by least squares: at start-up `measure` times each
-  drafter at a few backlogs and every draft length (well under a second). `backlog` is the
+  drafter at a few backlogs and every draft length (well under a second; cached per machine,
+  target and drafters like the verify table, `drafter_lines`). `backlog` is the
   verified positions the drafter has not seen yet (Lazy Catch-up: an idle drafter pays for its
   backlog when next picked).
 - `router`: the router phase itself (the same for every candidate).
@@ -51,6 +52,7 @@ sets these costs); only the thread that steps generations touches it.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -281,18 +283,111 @@ BACKLOGS = (1, 8, 32)        # catch-up sizes timed per drafter
 MAX_TIMED_DRAFT = 16         # draft lengths timed: 1..min(this, the drafter's longest)
 
 
-def measure(engine, adaptive: bool = False, reps: int = 3, use_cache: bool = True) -> CostModel:
-    """The cost model of `engine` on this machine: the verify and context tables (cached; timed
-    again with `use_cache` off) and each drafter's catch-up and draft lines, each point the best of
-    `reps` runs (interference only adds time)."""
-    import torch
+# A start reads each drafter's lines back from the cache where it finds them (drafter_lines),
+# after timing SPOT_DRAFTS of each again: lines reading more than DRAFTER_SPOT_SLACK slower than
+# this start runs are timed again (timed beside other work, or by slower kernels), as machine.py
+# does with a cached verify table. The absolute part covers prompt lookup's microseconds.
+DRAFTER_CACHE_VERSION = 1
+SPOT_DRAFTS = (1, 3)
+WARMUP_DRAFTS = 3
+DRAFTER_SPOT_SLACK = (1.15, 2e-5)
 
-    from .drafters.base import Context, DraftSampling
+
+def measure(engine, adaptive: bool = False, reps: int = 3, use_cache: bool = True) -> CostModel:
+    """The cost model of `engine` on this machine: the verify and context tables and each
+    drafter's catch-up and draft lines (all cached per machine; timed again with `use_cache` off),
+    each point the best of `reps` runs (interference only adds time)."""
     from .machine import context_table, verify_tables
 
     table, shared = verify_tables(engine.target, engine.tap_layers, use_cache)
     model = CostModel.with_table(table, adaptive=adaptive, shared=shared)
     model.set_per_position(context_table(engine.target, engine.tap_layers, use_cache))
+    for name, (catch_up, draft) in drafter_lines(engine, reps, use_cache).items():
+        model.catch_up[name], model.draft[name] = catch_up, draft
+    return model
+
+
+def drafter_lines(engine, reps: int = 3, use_cache: bool = True) -> dict[str, tuple[LinearCost, LinearCost]]:
+    """Each drafter's (catch-up, draft) lines: least squares through `_time_drafters`' points,
+    cached per machine, target and drafters like the verify tables. The round mix follows these
+    lines, and timed anew at every start they swung it: four starts on one Xeon timed EAGLE-3's
+    draft at 0.163-0.209 ms + 0.135-0.178 ms a token and sent 98-151 of 200 rounds to plain decode.
+    Cached, every start on a machine routes a request alike."""
+    from .machine import _cache_path, _cached, _target_key, _write_json, contended, others_load
+
+    if not engine.drafters:
+        return {}
+    key = {"v": DRAFTER_CACHE_VERSION, "target": _target_key(engine.target, engine.tap_layers),
+           "drafters": {name: drafter_fingerprint(d) for name, d in engine.drafters.items()},
+           "context": CONTEXT, "backlogs": list(BACKLOGS), "max_timed": MAX_TIMED_DRAFT}
+    path = _cache_path(key, "drafters")
+    saved = _cached(path, use_cache)
+    cached = _points_from_json(saved["drafters"]) if saved is not None else None
+    if cached is not None and not _drafters_stale(cached, _time_drafters(engine, reps, backlogs=(), ks=SPOT_DRAFTS)):
+        return _lines(cached)
+    points, others = others_load(lambda: _time_drafters(engine, reps))
+    if cached is not None and cached.keys() == points.keys():   # each point at its best (interference only adds time)
+        points = {name: {part: {x: min(t, cached[name][part].get(x, t)) for x, t in p.items()} for part, p in d.items()}
+                  for name, d in points.items()}
+    _write_json(path, {"machine": key["target"]["machine"], "drafters": points,
+                       **({"contended": round(others, 2)} if contended(others) else {})})
+    return _lines(points)
+
+
+def _lines(points: dict) -> dict[str, tuple[LinearCost, LinearCost]]:
+    return {name: (_fit(p["catch_up"]), _fit(p["draft"])) for name, p in points.items()}
+
+
+def drafter_fingerprint(drafter) -> str:
+    """What a drafter's timings depend on besides the machine and the target: its kind, its
+    configuration and its tensors' names, shapes and dtypes (another checkpoint of the same shape
+    times the same)."""
+    import dataclasses
+    import hashlib
+    import json
+
+    cfg = getattr(drafter, "cfg", None)
+    parts = [type(drafter).__name__, json.dumps(dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
+                                                sort_keys=True, default=str)]
+    if hasattr(drafter, "state_dict"):
+        parts += [f"{name}:{tuple(t.shape)}:{t.dtype}" for name, t in drafter.state_dict().items()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def _fit(points: dict[int, float]) -> LinearCost:
+    """The line through {x: seconds}, added in ascending x as the timing made them."""
+    line = LinearCost()
+    for x in sorted(points):
+        line.add(x, points[x], decay=1.0)
+    return line
+
+
+def _points_from_json(saved: dict) -> dict[str, dict[str, dict[int, float]]]:
+    return {name: {part: {int(x): y for x, y in p.items()} for part, p in d.items()} for name, d in saved.items()}
+
+
+def _drafters_stale(cached: dict, now: dict, slack: tuple[float, float] = DRAFTER_SPOT_SLACK) -> bool:
+    """Does a cached draft time read more than `slack` slower than this start runs it?"""
+    for name, p in now.items():
+        old = cached.get(name, {}).get("draft", {})
+        for k, t in p["draft"].items():
+            if k not in old or old[k] > slack[0] * t + slack[1]:
+                print(f"whiflash: the cached draft time of {name} (k = {k}) reads "
+                      f"{old.get(k, float('nan')) * 1e3:.3f} ms where this start ran {t * 1e3:.3f} ms; timing the "
+                      "drafters again", file=sys.stderr, flush=True)
+                return True
+    return False
+
+
+def _time_drafters(engine, reps: int, backlogs: tuple[int, ...] = BACKLOGS,
+                   ks: tuple[int, ...] | None = None) -> dict[str, dict[str, dict[int, float]]]:
+    """{drafter: {"catch_up": {backlog: s}, "draft": {k: s}}}: the best of `reps` timings of a
+    catch-up on each backlog and of a draft of each k (1..min(its longest, MAX_TIMED_DRAFT), or
+    those of `ks` it can draft) after CONTEXT random positions and taps (uncached)."""
+    import torch
+
+    from .drafters.base import Context, DraftSampling
+
     longest = min(max((d.max_draft_tokens for d in engine.drafters.values()), default=1), MAX_TIMED_DRAFT)
     capacity = CONTEXT + longest + 2
     device = engine.target.device
@@ -301,9 +396,18 @@ def measure(engine, adaptive: bool = False, reps: int = 3, use_cache: bool = Tru
                        generator=torch.Generator().manual_seed(0)).to(device, engine.target.dtype)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)   # time the work, not its launch
     greedy = DraftSampling()
+    points = {}
     for name, drafter in engine.drafters.items():
-        catch_up, draft = LinearCost(), LinearCost()
-        for backlog in BACKLOGS:
+        # untimed first: a drafter's first calls in a process run slow (an EAGLE-3 draft of one
+        # token timed 0.41 ms at a start's first timing and 0.33 ms at the next start's)
+        drafting = drafter.new_state(capacity)   # caught up on the context: the drafts' state
+        ctx = Context(ids, CONTEXT, taps, engine.tap_layers)
+        drafter.catch_up(drafting, ctx)
+        most = min(drafter.max_draft_tokens, MAX_TIMED_DRAFT)
+        for _ in range(WARMUP_DRAFTS):
+            drafter.propose(drafting, ctx, most, greedy)
+        catch_up, draft = {}, {}
+        for backlog in backlogs:
             seconds = []
             for _ in range(reps):
                 state = drafter.new_state(capacity)
@@ -312,17 +416,14 @@ def measure(engine, adaptive: bool = False, reps: int = 3, use_cache: bool = Tru
                 drafter.catch_up(state, Context(ids, CONTEXT, taps, engine.tap_layers))
                 sync()
                 seconds.append(time.perf_counter() - t0)
-            catch_up.add(backlog, min(seconds), decay=1.0)
-        state = drafter.new_state(capacity)
-        ctx = Context(ids, CONTEXT, taps, engine.tap_layers)
-        drafter.catch_up(state, ctx)
-        for k in range(1, min(drafter.max_draft_tokens, MAX_TIMED_DRAFT) + 1):
+            catch_up[backlog] = min(seconds)
+        for k in (range(1, most + 1) if ks is None else [k for k in ks if k <= most]):
             seconds = []
             for _ in range(reps):
                 t0 = time.perf_counter()
-                drafter.propose(state, ctx, k, greedy)
+                drafter.propose(drafting, ctx, k, greedy)
                 sync()
                 seconds.append(time.perf_counter() - t0)
-            draft.add(k, min(seconds), decay=1.0)
-        model.catch_up[name], model.draft[name] = catch_up, draft
-    return model
+            draft[k] = min(seconds)
+        points[name] = {"catch_up": catch_up, "draft": draft}
+    return points
