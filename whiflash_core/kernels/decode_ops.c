@@ -1467,13 +1467,13 @@ typedef struct {
     int64_t d, hidden_width, outputs;
     double top1_bins[3];
     double prior_weight, decay, min_seconds;
-    double catch_up_share;            // costs.CATCH_UP_SHARE: a catch-up is priced at this share of its time
+    double catch_up_share;            // CostModel.catch_up_share: a catch-up is priced at this share of its time
     int64_t seen_from;                // the prompt's length: no drafter's backlog reaches before it (Router.__init__)
 } rt_config;
 
 // A round's inputs beside the request's state: per routed drafter d, line[4 d ..] = its catch-up
 // line's a and b (seconds for a backlog of x positions: a + b x, both 0 without one) and its draft
-// line's a and b (drafting k tokens = catch-up + (a + b k), costs.CostModel.drafting_lines), then
+// line's a and b (drafting k tokens = catch-up + (a + b k): CostModel.drafting_coefficients), then
 // line[4 D + d] = this request's calibration factor of its MLP predictions (< 0: none yet), D the
 // routed drafters; seen[d]: the positions drafter d has seen (DrafterState.n_seen); verify[r]: the
 // target's verify of r rows, r <= min(longest draft, limit) + 1.
@@ -1609,7 +1609,7 @@ void router_round(const rt_config *c, rt_acceptance *acc, rt_acceptance *copying
         if (d == c->lookup && lookup_room < k_max) k_max = lookup_room;
         if (k_max <= 0) continue;
         const int64_t s = rt_situation(c, d, top1, match);
-        // its backlog and catch-up (CostModel.drafting_lines): share * (a + b x), 0 for no backlog
+        // its backlog and catch-up as CostModel.drafting_line prices them: share * (a + b x), 0 for none
         const int64_t from = seen[d] > c->seen_from ? seen[d] : c->seen_from, backlog = n - from > 0 ? n - from : 0;
         const double catch_up = backlog > 0 ? c->catch_up_share * (line[4 * d] + line[4 * d + 1] * (double)backlog) : 0.0;
         const double a = line[4 * d + 2], b = line[4 * d + 3], factor = line[4 * c->n_routed + d];
