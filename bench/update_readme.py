@@ -130,7 +130,7 @@ def compile_probe_markdown(path: str) -> str:
 def main() -> None:
     # default: the Spec-Bench run the README's section shows (its lead-in names the same file)
     files = sys.argv[1:] or [os.path.join(ROOT, f"bench/results/{name}.json") for name in
-                             ("specbench_l3_xeon_s15", "specbench_l3_xeon_avx2_s15", "specbench_l3_zen3_s14")]
+                             ("specbench_l3_xeon_s16", "specbench_l3_xeon_avx2_s16", "specbench_l3_zen3_s14")]
     parts = []
     for i, path in enumerate(files):
         with open(path) as f:
