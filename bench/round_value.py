@@ -3,7 +3,7 @@
     .venv/bin/python bench/round_value.py [--limit 2] [--alphas 1,0.75] [--policy learned] [--threads 2] [--out FILE]
 
 whiflash over Spec-Bench (`--limit` prompts a category, 128 tokens) at each alpha, in one process,
-each prompt at every alpha in turn (a sweep alpha after alpha reads the machine's drift as well).
+each prompt at every alpha in turn (the order alternating), as `whiflash bench --alpha-sweep` runs.
 Per (drafter, k) chosen: rounds, the emitted tokens a round against the router's expected g, the
 round's wall time against its expected t, and tokens per millisecond. The router picks by g / t **
 alpha, so where g or t is off for some kind of round the pick is off too: a kind whose realised
