@@ -313,7 +313,7 @@ def drafter_lines(engine, reps: int = 3, use_cache: bool = True) -> dict[str, tu
     lines, and timed anew at every start they swung it: four starts on one Xeon timed EAGLE-3's
     draft at 0.163-0.209 ms + 0.135-0.178 ms a token and sent 98-151 of 200 rounds to plain decode.
     Cached, every start on a machine routes a request alike."""
-    from .machine import _cache_path, _cached, _target_key, _write_json, contended, others_load
+    from .machine import _cache_path, _cached, _lower, _target_key, _write_json, contended, others_load
 
     if not engine.drafters:
         return {}
@@ -326,9 +326,8 @@ def drafter_lines(engine, reps: int = 3, use_cache: bool = True) -> dict[str, tu
     if cached is not None and not _drafters_stale(cached, _time_drafters(engine, reps, backlogs=(), ks=SPOT_DRAFTS)):
         return _lines(cached)
     points, others = others_load(lambda: _time_drafters(engine, reps))
-    if cached is not None and cached.keys() == points.keys():   # each point at its best (interference only adds time)
-        points = {name: {part: {x: min(t, cached[name][part].get(x, t)) for x, t in p.items()} for part, p in d.items()}
-                  for name, d in points.items()}
+    if cached is not None:   # each point at its best (interference only adds time); the key fixes the points
+        points = {name: _lower(cached[name], d) for name, d in points.items()}
     _write_json(path, {"machine": key["target"]["machine"], "drafters": points,
                        **({"contended": round(others, 2)} if contended(others) else {})})
     return _lines(points)
